@@ -1,0 +1,70 @@
+"""nsa_attention: the functional API over every backend.
+
+`backend="auto"` routes each branch to the fastest available provider whose guards pass (see
+nsa.backends); `backend="torch"` forces the vectorized PyTorch path, `backend="reference"` the float64
+oracle. Forcing a backend that cannot run is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from . import telemetry
+from .config import NSAConfig
+from .ops.forward import nsa_forward_torch
+from .ops.layout import dense_layout, packed_layout
+from .validation import NSAInputError, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
+
+BACKENDS = ("auto", "torch", "reference")
+
+
+def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_indices=None,
+                  return_indices=False, backend="auto", kv_cmp=None, kv_win=None, compress_fn=None,
+                  chunk_size=None):
+    """Native Sparse Attention.
+
+    q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], gates [B, T, Hq, 3] (cmp, sel, win; in
+    [0, 1]). Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq / Hkv)).
+    cu_seqlens: int32 [n_seq + 1] offsets of sequences packed along T (then B == 1).
+    block_indices: [B, T, Hkv, n_sel] selection blocks to use instead of the top-n step (-1 = none).
+    return_indices: also return the selected blocks [B, T, Hkv, n_sel] int32 (ascending, -1 padded).
+    kv_cmp / kv_win: (k, v) for the compressed / sliding branches when they have their own projections
+    (k, v then serve the selected branch). compress_fn: (phi_k, phi_v) for config.compress == "mlp".
+    chunk_size: queries per chunk in the torch backend (default: sized from a memory budget).
+    Returns out [B, T, Hq, Dv] in q's dtype (and the indices when asked).
+    """
+    if not isinstance(config, NSAConfig):
+        raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
+    if backend not in BACKENDS:
+        raise NSAInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    shapes = check_qkv(q, k, v, gates)
+    if kv_cmp is not None:
+        check_branch_kv("kv_cmp", kv_cmp, k, v)
+    if kv_win is not None:
+        check_branch_kv("kv_win", kv_win, k, v)
+    if config.compress == "mlp" and compress_fn is None:
+        raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v); 'avg' needs none")
+    if block_indices is not None:
+        check_block_indices(block_indices, shapes, config.n_sel, q.device)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, shapes, q.device)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+    if backend == "reference":
+        from .reference import nsa_reference
+
+        res = nsa_reference(q, k, v, gates, config, cu_seqlens=cu_seqlens, block_indices=block_indices,
+                            kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn)
+        for branch in ("cmp", "sel", "win"):
+            telemetry.record(branch, "reference", "forced")
+        out = res.out.to(q.device, q.dtype)
+        return (out, res.indices.to(q.device)) if return_indices else out
+
+    layout = (packed_layout(cu_seqlens, shapes.T, config) if cu_seqlens is not None
+              else dense_layout(shapes.B, shapes.T, config, q.device))
+    reason = "forced" if backend == "torch" else "ok"
+    for branch in ("cmp", "sel", "win"):
+        telemetry.record(branch, "torch", reason)
+    out, indices = nsa_forward_torch(q, k, v, gates, config, layout, kv_cmp=kv_cmp, kv_win=kv_win,
+                                     compress_fn=compress_fn, block_indices=block_indices,
+                                     need_indices=return_indices, chunk=chunk_size)
+    return (out, indices) if return_indices else out

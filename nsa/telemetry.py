@@ -1,0 +1,63 @@
+"""Which backend served each branch, and why: counters and rate-limited debug logs.
+
+Every routing decision calls `record(branch, backend, reason)`. A fallback is therefore always counted
+and visible: `snapshot()` returns the counters (the smoke and GPU reports include them), `reset()`
+clears them. With NSA_DEBUG_LOG=1 each (branch, backend, reason) is also logged, at most
+NSA_LOG_LIMIT times (default 5). Both variables are read at call time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+
+log = logging.getLogger("nsa")
+_lock = threading.Lock()
+_counts: Counter = Counter()
+_logged: Counter = Counter()
+
+
+def _log_limit() -> int:
+    try:
+        return int(os.environ.get("NSA_LOG_LIMIT", "5"))
+    except ValueError:
+        return 5
+
+
+def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
+    key = (branch, backend, reason)
+    with _lock:
+        _counts[key] += 1
+        emit = os.environ.get("NSA_DEBUG_LOG", "0") == "1" and _logged[key] < _log_limit()
+        if emit:
+            _logged[key] += 1
+    if emit:
+        extra = " ".join(f"{k}={v}" for k, v in details.items())
+        log.warning("nsa.route branch=%s backend=%s reason=%s %s", branch, backend, reason, extra)
+
+
+def snapshot() -> dict:
+    """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n}."""
+    with _lock:
+        items = sorted(_counts.items())
+    rows = [{"branch": b, "backend": be, "reason": r, "calls": n} for (b, be, r), n in items]
+    fallbacks = sum(n for (_, _, r), n in items if r != "ok" and not r.startswith("forced"))
+    return {"counts": rows, "calls": sum(_counts.values()), "fallbacks": fallbacks}
+
+
+def served(branch: str) -> dict:
+    """calls per backend for one branch, e.g. {"torch": 3}."""
+    with _lock:
+        out: Counter = Counter()
+        for (b, be, _), n in _counts.items():
+            if b == branch:
+                out[be] += n
+    return dict(out)
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()
+        _logged.clear()

@@ -1,0 +1,1 @@
+"""CI and environment tooling (Python >= 3.11): the configuration matrix and its locks."""

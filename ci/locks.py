@@ -1,0 +1,461 @@
+"""Generate and check the hash-pinned locks of requirements/matrix.toml.
+
+    python -m ci.locks                    # relock every cell, requirements/bootstrap.txt and locks/tools.txt
+    python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools")
+    python -m ci.locks --check            # offline: fail when any lock is stale or malformed
+    (`nox -s lock` and `nox -s lock -- --check` run exactly these.)
+
+How a cell lock is made: `uv pip compile` cross-resolves the cell's layers (requirements/<layer>.in,
+matrix `defaults.layers`, plus `source_build_layers` for cells that build flash-attn) together with the
+cell's own pins from the matrix (torch, triton, `pins`) for the cell's Python and the matrix's platform,
+with `--generate-hashes`, without index or find-links lines. The header records the tool, its version,
+the target, and `inputs-sha256`: a digest of everything the lock was made from (the cell's matrix entry,
+the layer files, the platform, the lock format). `--check` recomputes that digest (fast, offline) and
+also checks the body: torch and triton are the matrix's, every requirement has a hash, nothing
+machine-local leaked in. A full re-resolve is simply relocking (needs PyPI).
+
+Torch builds that PyPI does not carry (the CPU cell's 2.13.0+cpu) are found through find-links given in
+NSA_LOCK_FIND_LINKS (else pip's PIP_FIND_LINKS), or else the cell's `torch_index` (PyTorch's own index).
+The wheel's sha256 must equal the matrix's `torch_sha256`. Needs Python >= 3.11, uv and packaging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ci.matrix import DEFAULT_PATH, Cell, Matrix, MatrixError, flash_wheel_url, load
+
+LOCK_FORMAT = 1
+UNIVERSAL_PYTHON = "3.10"  # bootstrap and tools locks resolve for every Python from this one up
+# Text that must never reach a committed lock: machine-local paths, file URLs, index/find-links lines.
+FORBIDDEN = [
+    (re.compile(r"file:"), "a file: URL"),
+    (re.compile(r"(^|\s)/(opt|work|tmp|root|home|var)/"), "a machine-local path"),
+    (
+        re.compile(r"^\s*(--index-url|--extra-index-url|-i\s|--find-links|-f\s)", re.M),
+        "an index/find-links line",
+    ),
+]
+REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*(==|@)\s*([^\s;\\]+)")
+
+
+class LockError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LockedReq:
+    name: str  # canonical (PEP 503)
+    version: str  # "" for URL requirements
+    url: str
+    hashes: tuple[str, ...]
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def iter_lock(text: str):
+    """Requirements of a pip-tools style lock: `name==version \\` then `--hash=sha256:...` lines.
+
+    A universal lock may list a name twice (one line per environment marker): each line is yielded.
+    """
+    # Join continuation lines, then drop comments.
+    logical = re.sub(r"\\\n", " ", text)
+    for raw in logical.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith(
+            "-"
+        ):  # pip options (index lines): reported by forbidden_content(), not requirements
+            continue
+        m = REQ_LINE.match(line)
+        if not m:
+            raise LockError(f"unparseable lock line: {raw.strip()[:100]!r}")
+        name, op, val = canonical(m.group(1)), m.group(2), m.group(3)
+        hashes = tuple(re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
+        yield LockedReq(name, val if op == "==" else "", val if op == "@" else "", hashes)
+
+
+def parse_lock(text: str) -> dict[str, LockedReq]:
+    """name -> requirement (for a universal lock, the last line of a name wins)."""
+    return {r.name: r for r in iter_lock(text)}
+
+
+def header_fields(text: str) -> dict[str, str]:
+    """`# key: value` lines of the header."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        m = re.match(r"#\s*([a-z0-9-]+):\s*(.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+# --- inputs ------------------------------------------------------------------------------------------
+
+
+def layers_for(matrix: Matrix, cell: Cell) -> list[str]:
+    layers = matrix.layers
+    if cell.flash_attn.source == "source":
+        layers = layers + list(matrix.defaults.get("source_build_layers", []))
+    return layers
+
+
+def cell_requirements(cell: Cell) -> list[str]:
+    """The cell's own exact pins, resolved together with the layers."""
+    reqs = [f"torch=={cell.torch}"]
+    if cell.triton != "none":
+        reqs.append(f"triton=={cell.triton}")
+    reqs.extend(cell.pins)
+    return reqs
+
+
+def _normalized(path: Path) -> str:
+    # Whitespace-only edits do not make a lock stale; any content change does.
+    return "\n".join(line.rstrip() for line in path.read_text().strip().splitlines())
+
+
+def inputs_digest(matrix: Matrix, cell: Cell) -> str:
+    req_dir = matrix.path.parent
+    doc = {
+        "format": LOCK_FORMAT,
+        "platform": matrix.platform,
+        "cell": cell.raw,
+        "requirements": cell_requirements(cell),
+        "layers": {name: _normalized(req_dir / f"{name}.in") for name in layers_for(matrix, cell)},
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def universal_digest(in_file: Path) -> str:
+    doc = {"format": LOCK_FORMAT, "python": UNIVERSAL_PYTHON, "input": _normalized(in_file)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def lock_path(matrix: Matrix, cell_id: str) -> Path:
+    return matrix.path.parent / "locks" / f"{cell_id}.txt"
+
+
+def universal_targets(matrix: Matrix) -> dict[str, tuple[Path, Path]]:
+    """Locks that are not cells (bootstrap, developer tools, lint): name -> (input, lock), from the
+    matrix's [defaults.tool_locks] (paths relative to requirements/)."""
+    req = matrix.path.parent
+    table = matrix.defaults.get("tool_locks", {"bootstrap": "bootstrap.txt"})
+    return {name: (req / f"{name}.in", req / rel) for name, rel in table.items()}
+
+
+# --- generation --------------------------------------------------------------------------------------
+
+
+def uv_bin() -> str:
+    try:
+        import uv  # the PyPI package ships the binary
+
+        return uv.find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("uv")
+        if not found:
+            raise LockError("uv not found: install requirements/bootstrap.txt (it pins uv)") from None
+        return found
+
+
+def uv_version(uv: str) -> str:
+    return subprocess.run([uv, "--version"], check=True, capture_output=True, text=True).stdout.split()[1]
+
+
+def _find_links() -> list[str]:
+    value = os.environ.get("NSA_LOCK_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS") or ""
+    return value.split()
+
+
+def _run_uv(uv: str, args: list[str], cwd: Path) -> str:
+    env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
+    proc = subprocess.run(
+        [uv, "pip", "compile", "--no-config", "--quiet", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise LockError(f"uv pip compile failed:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _scrub(text: str, replacements: dict[str, str]) -> str:
+    for old, new in replacements.items():
+        if old:
+            text = text.replace(old, new)
+    return text
+
+
+def forbidden_content(text: str) -> list[str]:
+    return [
+        f"contains {what}: {m.group(0).strip()!r}" for rx, what in FORBIDDEN for m in [rx.search(text)] if m
+    ]
+
+
+def compile_cell(matrix: Matrix, cell: Cell, uv: str | None = None) -> Path:
+    uv = uv or uv_bin()
+    req_dir = matrix.path.parent
+    root = req_dir.parent
+    layers = layers_for(matrix, cell)
+    extra: list[str] = []
+    if "+" in cell.torch:  # not on PyPI: a local find-links folder, else PyTorch's index
+        links = _find_links()
+        if links:
+            extra += [a for link in links for a in ("--find-links", link)]
+        elif cell.torch_index:
+            extra += ["--extra-index-url", cell.torch_index]
+        else:
+            raise LockError(f"cell {cell.id}: torch {cell.torch} is not on PyPI; set NSA_LOCK_FIND_LINKS")
+    with tempfile.TemporaryDirectory(prefix="nsa-lock-") as tmp:
+        cell_in = Path(tmp) / "cell.in"
+        cell_in.write_text("\n".join(cell_requirements(cell)) + "\n")
+        args = [
+            *[str((req_dir / f"{name}.in").relative_to(root)) for name in layers],
+            str(cell_in),
+            "--generate-hashes",
+            "--python-platform",
+            matrix.platform,
+            "--python-version",
+            cell.python,
+            "--no-emit-index-url",
+            "--no-emit-find-links",
+            "--no-header",
+            "--annotation-style=split",
+            *extra,
+        ]
+        body = _run_uv(uv, args, cwd=root)
+        body = _scrub(body, {str(cell_in): f"{matrix.path.relative_to(root)} (cell {cell.id})", tmp: "<tmp>"})
+    for link in _find_links():
+        body = _scrub(body, {link: "<find-links>"})
+
+    reqs = parse_lock(body)
+    _check_pins(cell, reqs)
+    fa = cell.flash_attn
+    flash_lines = ""
+    if fa.source == "wheel" and fa.sha256:
+        url = flash_wheel_url(matrix.upstream, fa.version, fa.wheel)
+        flash_lines = (
+            f"flash-attn @ {url} \\\n    --hash=sha256:{fa.sha256}\n    # via requirements/matrix.toml\n"
+        )
+    header = _cell_header(matrix, cell, layers, uv_version(uv))
+    text = header + body + flash_lines
+    problems = forbidden_content(text)
+    if problems:
+        raise LockError(f"cell {cell.id}: refusing to write the lock: " + "; ".join(problems))
+    out = lock_path(matrix, cell.id)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+def _cell_header(matrix: Matrix, cell: Cell, layers: list[str], uv_ver: str) -> str:
+    fa = cell.flash_attn
+    if fa.source == "none":
+        fa_s = "none"
+    elif fa.source == "source":
+        fa_s = f"{fa.version}, built from source by the image build (not in this lock)"
+    elif fa.sha256:
+        fa_s = f"{fa.version}, wheel {fa.wheel} (pinned below by URL and sha256)"
+    else:
+        fa_s = (
+            f"{fa.version}, wheel {fa.wheel}; sha256 not recorded yet, so not in this lock: the image "
+            "build installs it (record its sha256 in matrix.toml and relock)"
+        )
+    cuda = "none (CPU)" if cell.cpu_only else cell.cuda
+    return (
+        f"# Lock of cell {cell.id}: generated by `nox -s lock -- {cell.id}`. Do not edit.\n"
+        f"# Install exactly: pip install --require-hashes --no-deps -r {lock_path(matrix, cell.id).name}\n"
+        f"# lock-format: {LOCK_FORMAT}\n"
+        f"# cell: {cell.id}\n"
+        f"# python: {cell.python}\n"
+        f"# platform: {matrix.platform}\n"
+        f"# cuda: {cuda}\n"
+        f"# torch: {cell.torch}\n"
+        f"# triton: {cell.triton}\n"
+        f"# flash-attn: {fa_s}\n"
+        f"# layers: {' '.join(layers)}\n"
+        f"# resolver: uv {uv_ver} pip compile --generate-hashes --python-platform {matrix.platform} "
+        f"--python-version {cell.python} --no-emit-index-url --no-emit-find-links\n"
+        f"# inputs-sha256: {inputs_digest(matrix, cell)}\n"
+        "#\n"
+    )
+
+
+def compile_universal(name: str, in_file: Path, out: Path, uv: str | None = None) -> Path:
+    uv = uv or uv_bin()
+    root = in_file.parent.parent
+    args = [
+        str(in_file.relative_to(root)),
+        "--universal",
+        "--python-version",
+        UNIVERSAL_PYTHON,
+        "--generate-hashes",
+        "--no-emit-index-url",
+        "--no-emit-find-links",
+        "--no-header",
+        "--annotation-style=split",
+    ]
+    body = _run_uv(uv, args, cwd=root)
+    header = (
+        f"# {name} lock: generated by `nox -s lock -- {name}`. Do not edit.\n"
+        f"# Install: pip install --require-hashes -r {out.relative_to(root)}\n"
+        f"# lock-format: {LOCK_FORMAT}\n"
+        f"# python: >={UNIVERSAL_PYTHON} (universal: any platform)\n"
+        f"# resolver: uv {uv_version(uv)} pip compile --universal --python-version {UNIVERSAL_PYTHON} "
+        "--generate-hashes --no-emit-index-url --no-emit-find-links\n"
+        f"# inputs-sha256: {universal_digest(in_file)}\n"
+        "#\n"
+    )
+    text = header + body
+    problems = forbidden_content(text)
+    if problems:
+        raise LockError(f"{name}: refusing to write the lock: " + "; ".join(problems))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+# --- checking ----------------------------------------------------------------------------------------
+
+
+def _check_pins(cell: Cell, reqs: dict[str, LockedReq]) -> None:
+    problems = check_body(cell, reqs)
+    if problems:
+        raise LockError(f"cell {cell.id}: " + "; ".join(problems))
+
+
+def check_body(cell: Cell, reqs: dict[str, LockedReq]) -> list[str]:
+    p = []
+    torch = reqs.get("torch")
+    if torch is None or torch.version != cell.torch:
+        p.append(f"torch is {torch.version if torch else 'missing'}, matrix says {cell.torch}")
+    elif cell.torch_sha256 and cell.torch_sha256 not in torch.hashes:
+        p.append(f"torch {cell.torch}'s hashes lack the matrix's torch_sha256 {cell.torch_sha256[:12]}...")
+    triton = reqs.get("triton")
+    want = None if cell.triton == "none" else cell.triton
+    if (triton.version if triton else None) != want:
+        p.append(f"triton is {triton.version if triton else 'missing'}, matrix says {cell.triton}")
+    for pin in cell.pins:
+        name, _, ver = pin.partition("==")
+        got = reqs.get(canonical(name))
+        if got is None or got.version != ver:
+            p.append(f"{name} is {got.version if got else 'missing'}, matrix pins {ver}")
+    unhashed = sorted(r.name for r in reqs.values() if not r.hashes)
+    if unhashed:
+        p.append(f"requirements without --hash: {', '.join(unhashed)}")
+    return p
+
+
+def check(matrix: Matrix, targets: list[str] | None = None) -> list[str]:
+    """Every reason the locks are stale or malformed (empty when all are fresh)."""
+    problems: list[str] = []
+    universal = universal_targets(matrix)
+    wanted = targets or [c.id for c in matrix.cells] + list(universal)
+    for t in wanted:
+        if t in universal:
+            in_file, out = universal[t]
+            expect = universal_digest(in_file)
+            cell = None
+        else:
+            cell = matrix.get(t)
+            out = lock_path(matrix, t)
+            expect = inputs_digest(matrix, cell)
+        relock = f"run `nox -s lock -- {t}`"
+        if not out.exists():
+            problems.append(f"{t}: no lock at {out.name}; {relock}")
+            continue
+        text = out.read_text()
+        got = header_fields(text).get("inputs-sha256")
+        if got != expect:
+            problems.append(
+                f"{t}: stale ({out.name} was made from other inputs: .in files or matrix changed); {relock}"
+            )
+            continue
+        problems.extend(f"{t}: {p}" for p in forbidden_content(text))
+        try:
+            reqs = parse_lock(text)
+        except LockError as e:
+            problems.append(f"{t}: {e}")
+            continue
+        if cell is not None:
+            problems.extend(f"{t}: {p}" for p in check_body(cell, reqs))
+        elif not all(r.hashes for r in iter_lock(text)):
+            problems.append(f"{t}: requirements without --hash")
+    if not targets:  # locks of cells that no longer exist
+        known = {c.id for c in matrix.cells} | {out.stem for _, out in universal.values()}
+        for f in sorted((matrix.path.parent / "locks").glob("*.txt")):
+            if f.stem not in known:
+                problems.append(f"{f.name}: no cell {f.stem!r} in the matrix: delete it")
+    return problems
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ci.locks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("targets", nargs="*", help="cell ids, 'bootstrap', 'tools' (default: all)")
+    ap.add_argument("--check", action="store_true", help="fail if any lock is stale (offline)")
+    ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
+    args = ap.parse_args(argv)
+    try:
+        matrix = load(args.matrix)
+    except MatrixError as e:
+        print(e, file=sys.stderr)
+        return 1
+    universal = universal_targets(matrix)
+    ids = {c.id for c in matrix.cells}
+    unknown = [t for t in args.targets if t not in ids and t not in universal]
+    if unknown:
+        print(
+            f"error: targets: unknown {unknown}; known: {sorted(ids)} + {sorted(universal)}", file=sys.stderr
+        )
+        return 2
+    if args.check:
+        problems = check(matrix, args.targets or None)
+        for p in problems:
+            print(f"STALE {p}", file=sys.stderr)
+        n = len(args.targets) if args.targets else len(ids) + len(universal)
+        print(f"locks: {n} checked, {len(problems)} problem(s)")
+        return 1 if problems else 0
+    targets = args.targets or [c.id for c in matrix.cells] + list(universal)
+    uv = uv_bin()
+    failed = 0
+    for i, t in enumerate(targets, 1):
+        start = time.monotonic()
+        print(f"[{i}/{len(targets)}] locking {t} ...", flush=True)
+        try:
+            if t in universal:
+                out = compile_universal(t, *universal[t], uv=uv)
+            else:
+                out = compile_cell(matrix, matrix.get(t), uv=uv)
+        except LockError as e:
+            failed += 1
+            print(f"  FAILED: {e}", file=sys.stderr)
+            continue
+        n = len(parse_lock(out.read_text()))
+        rel = out.relative_to(matrix.path.parent.parent)
+        print(f"  wrote {rel} ({n} packages, {time.monotonic() - start:.1f}s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

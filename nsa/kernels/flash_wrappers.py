@@ -1,0 +1,98 @@
+"""Probes for the FlashAttention-2 implementations NSA can call, and why one cannot run here.
+
+    is_flash_available()               flash-attn's dense kernel (flash_attn_func) can run here
+    is_flash_varlen_available()        flash-attn's varlen kernel (flash_attn_varlen_func) can run here
+    is_torch_flash_varlen_available()  PyTorch's built-in FA-2 varlen (torch.nn.attention.varlen.varlen_attn)
+
+"Can run here" means: the package imports, exposes the entry point, torch sees a CUDA GPU, and the GPU
+is sm >= 8.0 (FlashAttention-2 has no kernels for older GPUs). Each probe has a *_status() twin that
+returns (ok, reason) for reports (`python -m nsa.env`). The import attempt is made once and cached:
+a failing flash_attn import (e.g. "undefined symbol" from a wheel built for another torch) is recorded
+with its message, never raised. reset_probes() forgets the cache (tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import Any
+
+FA2_MIN_SM = (8, 0)
+
+
+@cache
+def _import(name: str) -> tuple[Any, str]:
+    """(module, "") or (None, why). Import errors of compiled extensions are ImportError or OSError."""
+    try:
+        return importlib.import_module(name), ""
+    except ModuleNotFoundError as e:
+        if e.name == name.split(".")[0]:
+            return None, f"{e.name} is not installed"
+        return None, f"import {name} failed: {e}"
+    except (ImportError, OSError, RuntimeError) as e:
+        return None, f"import {name} failed: {e}"
+
+
+@cache
+def cuda_device_status() -> tuple[bool, str]:
+    """Whether torch sees a CUDA GPU of sm >= 8.0 (device 0), and why not."""
+    torch, why = _import("torch")
+    if torch is None:
+        return False, why
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return False, f"torch {torch.__version__} is a CPU build"
+        return False, "torch sees no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < FA2_MIN_SM:
+        name = torch.cuda.get_device_name(0)
+        return False, f"{name} is sm {major}.{minor}; FlashAttention-2 needs sm >= 8.0"
+    return True, ""
+
+
+def flash_attn_status(varlen: bool = False) -> tuple[bool, str]:
+    """flash-attn's dense (or varlen) kernel: (can run here, reason)."""
+    mod, why = _import("flash_attn")
+    if mod is None:
+        return False, why
+    entry = "flash_attn_varlen_func" if varlen else "flash_attn_func"
+    if not hasattr(mod, entry):
+        version = getattr(mod, "__version__", "?")
+        return False, f"flash_attn {version} has no {entry}"
+    ok, why = cuda_device_status()
+    if not ok:
+        return False, why
+    return True, f"flash_attn {getattr(mod, '__version__', '?')} {entry}"
+
+
+def torch_flash_varlen_status() -> tuple[bool, str]:
+    """PyTorch's built-in FA-2 varlen kernel (torch >= 2.10): (can run here, reason)."""
+    mod, why = _import("torch.nn.attention.varlen")
+    torch, _ = _import("torch")
+    version = getattr(torch, "__version__", "?")
+    if mod is None or not hasattr(mod, "varlen_attn"):
+        return False, f"torch {version} has no torch.nn.attention.varlen.varlen_attn"
+    ok, why = cuda_device_status()
+    if not ok:
+        return False, why
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    if built is not None and not built():
+        return False, f"torch {version} was built without its FlashAttention kernels"
+    return True, f"torch {version} varlen_attn"
+
+
+def is_flash_available() -> bool:
+    return flash_attn_status(varlen=False)[0]
+
+
+def is_flash_varlen_available() -> bool:
+    return flash_attn_status(varlen=True)[0]
+
+
+def is_torch_flash_varlen_available() -> bool:
+    return torch_flash_varlen_status()[0]
+
+
+def reset_probes() -> None:
+    _import.cache_clear()
+    cuda_device_status.cache_clear()

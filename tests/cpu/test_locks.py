@@ -1,0 +1,135 @@
+"""Locks: the committed ones are fresh; staleness, tampering and leaked local paths are detected
+(on a copy of requirements/ in a tmp dir); lock generation is exercised offline with a fake uv."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ci import locks
+from ci import matrix as mx
+
+CPU = "cpu-torch2.13-py311"
+
+
+@pytest.fixture
+def req(tmp_path: Path) -> Path:
+    """A copy of requirements/ (matrix, .in files, locks) in a tmp dir."""
+    dst = tmp_path / "requirements"
+    shutil.copytree(mx.DEFAULT_PATH.parent, dst)
+    return dst
+
+
+def test_committed_locks_are_fresh():
+    assert locks.check(mx.load()) == []
+
+
+def test_check_passes_on_fixture_then_fails_after_editing_an_in_file(req: Path):
+    m = mx.load(req / "matrix.toml")
+    assert locks.check(m, [CPU]) == []
+    with (req / "runtime.in").open("a") as f:
+        f.write("einops>=0.8\n")
+    problems = locks.check(m, [CPU])
+    assert problems and "stale" in problems[0] and f"nox -s lock -- {CPU}" in problems[0]
+
+
+def test_whitespace_only_edit_is_not_stale(req: Path):
+    (req / "bench.in").write_text((req / "bench.in").read_text() + "\n\n   \n")
+    assert locks.check(mx.load(req / "matrix.toml"), [CPU]) == []
+
+
+def test_matrix_edit_makes_the_cell_stale(req: Path):
+    text = (
+        (req / "matrix.toml")
+        .read_text()
+        .replace('runtime_image = "python:3.11-slim-bookworm"', 'runtime_image = "python:3.11-slim"')
+    )
+    (req / "matrix.toml").write_text(text)
+    assert any("stale" in p for p in locks.check(mx.load(req / "matrix.toml"), [CPU]))
+
+
+def test_tampered_body_and_leaked_paths_are_reported(req: Path):
+    lock = req / "locks" / f"{CPU}.txt"
+    text = lock.read_text()
+    leaked = "--extra-index-url " + "file" + ":///srv/mirror/simple\n"  # built here: no such URL in the repo
+    lock.write_text(text.replace("triton==3.7.1", "triton==3.7.0") + leaked)
+    problems = " | ".join(locks.check(mx.load(req / "matrix.toml"), [CPU]))
+    assert "triton is 3.7.0, matrix says 3.7.1" in problems
+    assert "file: URL" in problems and "index/find-links line" in problems
+
+
+def test_missing_and_orphan_locks(req: Path):
+    (req / "locks" / f"{CPU}.txt").rename(req / "locks" / "cu999-torch9.9-py399.txt")
+    problems = " | ".join(locks.check(mx.load(req / "matrix.toml")))
+    assert f"{CPU}: no lock" in problems and "cu999-torch9.9-py399.txt: no cell" in problems
+
+
+def test_parse_lock_handles_markers_urls_and_duplicates():
+    text = textwrap.dedent("""\
+        # header
+        filelock==4.1.0 ; python_full_version < '3.11' \\
+            --hash=sha256:{a}
+        filelock==4.2.11 ; python_full_version >= '3.11' \\
+            --hash=sha256:{a}
+            # via nox
+        flash-attn @ https://example.invalid/flash_attn-2.8.3%2Bcu12-cp311-cp311-linux_x86_64.whl \\
+            --hash=sha256:{a}
+        Typing_Extensions==4.16.0
+        """).format(a="a" * 64)
+    lines = list(locks.iter_lock(text))
+    assert len(lines) == 4
+    reqs = locks.parse_lock(text)
+    assert reqs["filelock"].version == "4.2.11" and reqs["flash-attn"].url.startswith("https://")
+    assert reqs["typing-extensions"].hashes == ()
+    with pytest.raises(locks.LockError):
+        locks.parse_lock("this is not a requirement\n")
+
+
+FAKE_UV = """#!{python}
+import sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("uv 0.0.1 (fake)")
+    sys.exit(0)
+cell_in = next(a for a in args if a.endswith("cell.in"))
+print("torch==2.13.0+cpu \\\\\\n    --hash=sha256:{torch}\\n    # via -r " + cell_in)
+print("triton==3.7.1 \\\\\\n    --hash=sha256:{other}\\n    # via -r " + cell_in)
+print("numpy==2.4.6 \\\\\\n    --hash=sha256:{other}\\n    # via -r requirements/runtime.in")
+"""
+
+
+def _fake_uv(tmp_path: Path, torch_sha: str) -> str:
+    uv = tmp_path / "uv"
+    uv.write_text(FAKE_UV.format(python=sys.executable, torch=torch_sha, other="b" * 64))
+    uv.chmod(uv.stat().st_mode | stat.S_IEXEC)
+    return str(uv)
+
+
+def test_compile_cell_writes_a_checked_lock_without_local_paths(req: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("NSA_LOCK_FIND_LINKS", str(tmp_path / "wheels"))
+    m = mx.load(req / "matrix.toml")
+    cell = m.get(CPU)
+    out = locks.compile_cell(m, cell, uv=_fake_uv(tmp_path, cell.torch_sha256))
+    text = out.read_text()
+    assert str(tmp_path) not in text and "/tmp" not in text
+    assert "# via -r requirements/matrix.toml (cell cpu-torch2.13-py311)" in text
+    assert locks.header_fields(text)["resolver"].startswith("uv 0.0.1")
+    assert locks.check(m, [CPU]) == []
+
+
+def test_compile_cell_refuses_a_torch_wheel_with_another_hash(req: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("NSA_LOCK_FIND_LINKS", str(tmp_path))
+    m = mx.load(req / "matrix.toml")
+    with pytest.raises(locks.LockError, match="torch_sha256"):
+        locks.compile_cell(m, m.get(CPU), uv=_fake_uv(tmp_path, "c" * 64))
+
+
+def test_cli_check_and_unknown_target(capsys):
+    assert locks.main(["--check", CPU]) == 0
+    assert locks.main(["--check", "nope"]) == 2
+    assert "unknown" in capsys.readouterr().err

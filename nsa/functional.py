@@ -1,19 +1,21 @@
 """nsa_attention: the functional API over every backend.
 
-`backend="auto"` routes each branch to the fastest available provider whose guards pass (see
-nsa.backends); `backend="torch"` forces the vectorized PyTorch path, `backend="reference"` the float64
-oracle. Forcing a backend that cannot run is an error, never a silent fallback.
+`backend="auto"` routes the compressed and sliding branches, each on its own, to the first available
+provider whose guards pass: flash_attn -> torch_flash -> sdpa -> torch (nsa.backends.router,
+docs/backends.md); the selection branch runs on torch. `backend="torch"` forces the vectorized PyTorch
+path, `backend="reference"` the float64 oracle, "flash_attn" / "torch_flash" / "sdpa" that provider for
+cmp and win. Forcing a backend that cannot run is an NSAInputError naming the reason, never a silent
+fallback. Every decision is counted in nsa.telemetry.
 """
 
 from __future__ import annotations
 
 from . import telemetry
+from .backends import BACKENDS
 from .config import NSAConfig
 from .ops.forward import nsa_forward_torch
 from .ops.layout import dense_layout, packed_layout
 from .validation import NSAInputError, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
-
-BACKENDS = ("auto", "torch", "reference")
 
 
 def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_indices=None,
@@ -44,8 +46,9 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
         raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v); 'avg' needs none")
     if block_indices is not None:
         check_block_indices(block_indices, shapes, config.n_sel, q.device)
+    host_cu = None
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, shapes, q.device)
+        host_cu = check_cu_seqlens(cu_seqlens, shapes, q.device)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
@@ -61,10 +64,15 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
 
     layout = (packed_layout(cu_seqlens, shapes.T, config) if cu_seqlens is not None
               else dense_layout(shapes.B, shapes.T, config, q.device))
-    reason = "forced" if backend == "torch" else "ok"
-    for branch in ("cmp", "sel", "win"):
-        telemetry.record(branch, "torch", reason)
+    providers = None
+    if backend == "torch":
+        for branch in ("cmp", "sel", "win"):
+            telemetry.record(branch, "torch", "forced")
+    else:
+        from .backends.router import route
+
+        providers = route(backend, q, k, v, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=cu_seqlens, host_cu=host_cu)
     out, indices = nsa_forward_torch(q, k, v, gates, config, layout, kv_cmp=kv_cmp, kv_win=kv_win,
                                      compress_fn=compress_fn, block_indices=block_indices,
-                                     need_indices=return_indices, chunk=chunk_size)
+                                     need_indices=return_indices, chunk=chunk_size, providers=providers)
     return (out, indices) if return_indices else out

@@ -2,7 +2,9 @@
 
 Every routing decision calls `record(branch, backend, reason)`. A fallback is therefore always counted
 and visible: `snapshot()` returns the counters (the smoke and GPU reports include them), `reset()`
-clears them. With NSA_DEBUG_LOG=1 each (branch, backend, reason) is also logged, at most
+clears them. `event()` counts provider events that are not routing decisions (a contiguity copy);
+`add_time()` fills the NSA_DEBUG_TIMING buckets; both appear in the snapshot.
+With NSA_DEBUG_LOG=1 each (branch, backend, reason) is also logged, at most
 NSA_LOG_LIMIT times (default 5). Both variables are read at call time.
 """
 
@@ -17,6 +19,8 @@ log = logging.getLogger("nsa")
 _lock = threading.Lock()
 _counts: Counter = Counter()
 _logged: Counter = Counter()
+_events: Counter = Counter()  # (branch, backend, event): things that are not routing decisions
+_times: dict = {}  # bucket -> [calls, total ms] (NSA_DEBUG_TIMING=1)
 
 
 def _log_limit() -> int:
@@ -38,13 +42,31 @@ def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
         log.warning("nsa.route branch=%s backend=%s reason=%s %s", branch, backend, reason, extra)
 
 
+def event(branch: str, backend: str, name: str) -> None:
+    """Count something a provider did that is not a routing decision (e.g. "contiguous_copy")."""
+    with _lock:
+        _events[(branch, backend, name)] += 1
+
+
+def add_time(bucket: str, ms: float) -> None:
+    """Add one timed call to a bucket (the router times provider calls when NSA_DEBUG_TIMING=1)."""
+    with _lock:
+        calls, total = _times.get(bucket, (0, 0.0))
+        _times[bucket] = (calls + 1, total + float(ms))
+
+
 def snapshot() -> dict:
-    """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n}."""
+    """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n,
+    "events": [{"branch", "backend", "event", "calls"}...], "timings": {bucket: {"calls", "total_ms"}}}."""
     with _lock:
         items = sorted(_counts.items())
+        events = sorted(_events.items())
+        times = dict(sorted(_times.items()))
     rows = [{"branch": b, "backend": be, "reason": r, "calls": n} for (b, be, r), n in items]
     fallbacks = sum(n for (_, _, r), n in items if r != "ok" and not r.startswith("forced"))
-    return {"counts": rows, "calls": sum(_counts.values()), "fallbacks": fallbacks}
+    return {"counts": rows, "calls": sum(n for _, n in items), "fallbacks": fallbacks,
+            "events": [{"branch": b, "backend": be, "event": e, "calls": n} for (b, be, e), n in events],
+            "timings": {k: {"calls": c, "total_ms": round(t, 4)} for k, (c, t) in times.items()}}
 
 
 def served(branch: str) -> dict:
@@ -61,3 +83,5 @@ def reset() -> None:
     with _lock:
         _counts.clear()
         _logged.clear()
+        _events.clear()
+        _times.clear()

@@ -1,0 +1,131 @@
+"""The compressed branch as one causal FlashAttention call, by folding queries into heads.
+
+Query t (0-based, in its sequence) sees compressed blocks i with i*d + l - 1 <= t. With u = t + 1 =
+m*d + r (0 <= r < d), that is i <= m - l/d for every r: the d queries of a run share one visible set.
+Pad the queries at the front by one position (padded position p = t + 1) and cut them into groups
+of d consecutive padded positions: group m sees blocks [0, m - l/d]. A sequence of L tokens has
+Ng = floor(L/d) + 1 groups and T_cmp = floor((L - l)/d) + 1 = floor(L/d) - l/d + 1 blocks, so
+Ng - T_cmp = l/d and "group row m sees key j iff j <= m - l/d" is causal attention aligned to the
+bottom-right corner (FlashAttention-2's convention for seqlen_q > seqlen_k) with
+seqlen_q = Ng groups and seqlen_k = T_cmp blocks. Groups m < l/d see nothing (the kernels return 0 and
+an LSE of +inf there; `unfold_lse` maps every non-finite LSE to -inf).
+
+Layout (no K/V copy at all): the d queries and the G query heads of a KV head form the heads of a
+group row, ordered (kv head, r, g):
+    dense   q [B, T, Hq, D] -> pad -> [B, Ng, d, Hkv, G, D] -> [B, Ng, Hkv*d*G, D]
+    varlen  q [1, T, Hq, D] -> rows  -> [NG*d, Hq, D] -> [NG, d, Hkv, G, D] -> [NG, Hkv*d*G, D]
+and K/V stay [.., T_cmp, Hkv, D]: query head h' = kv*d*G + r*G + g reads KV head h' // (d*G) = kv,
+i.e. plain GQA with group size d*G, which every FA-2 kernel supports natively. The only copy is of q
+(one pass, with the pad rows) and of the output back.
+
+Varlen: sequence s (start c_s, length L_s) owns groups [g_s, g_s + Ng_s) and compressed slots
+[k_s, k_s + T_cmp_s) (nsa.ops.layout.packed_layout allots slots in sequence order, so the valid slots
+are the prefix of k_cmp). Token x of s goes to folded row x - c_s + 1 + g_s*d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import NSAConfig
+
+
+@dataclass
+class FoldPlan:
+    varlen: bool
+    B: int
+    T: int
+    Hkv: int
+    G: int
+    d: int
+    n_groups: int  # per batch row (dense) or in total (varlen)
+    n_cmp: int  # compressed blocks per batch row (dense) or valid slots in total (varlen)
+    max_q: int  # longest group sequence
+    max_k: int  # most compressed blocks of one sequence
+    rows: torch.Tensor | None = None  # varlen: [T] int64 folded row of each token
+    cu_q: torch.Tensor | None = None  # varlen: int32 [n_seq + 1] group offsets
+    cu_k: torch.Tensor | None = None  # varlen: int32 [n_seq + 1] compressed-slot offsets
+
+    @property
+    def heads(self) -> int:
+        return self.Hkv * self.d * self.G
+
+
+def plan_dense(B: int, T: int, Hkv: int, G: int, cfg: NSAConfig) -> FoldPlan:
+    d = cfg.stride_cmp
+    ng = T // d + 1
+    n = cfg.n_cmp_blocks(T)
+    return FoldPlan(False, B, T, Hkv, G, d, ng, n, ng, n)
+
+
+def plan_varlen(host_cu: list[int], T: int, Hkv: int, G: int, cfg: NSAConfig, device) -> FoldPlan:
+    """Group/slot offsets from the host copy of cu_seqlens (O(n_seq) host work, one small upload)."""
+    d = cfg.stride_cmp
+    lengths = [b - a for a, b in zip(host_cu, host_cu[1:])]
+    ng = [L // d + 1 for L in lengths]
+    nc = [cfg.n_cmp_blocks(L) for L in lengths]
+    cu_q, cu_k, shift = [0], [0], []
+    for s in range(len(lengths)):
+        shift.append(cu_q[-1] * d + 1 - host_cu[s])  # row of token x = x + shift[s]
+        cu_q.append(cu_q[-1] + ng[s])
+        cu_k.append(cu_k[-1] + nc[s])
+    meta = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device, non_blocking=True)
+    shift_t = torch.tensor(shift, dtype=torch.long).to(device, non_blocking=True)
+    cu_dev = torch.tensor(host_cu[1:], dtype=torch.long).to(device, non_blocking=True)
+    tokens = torch.arange(T, device=device)
+    seq = torch.searchsorted(cu_dev, tokens, right=True).clamp_(max=len(lengths) - 1)
+    rows = tokens + shift_t[seq]
+    return FoldPlan(True, 1, T, Hkv, G, d, cu_q[-1], cu_k[-1], max(ng), max(nc), rows=rows,
+                    cu_q=meta[0].contiguous(), cu_k=meta[1].contiguous())
+
+
+def fold_q(q: torch.Tensor, p: FoldPlan) -> torch.Tensor:
+    """q [B, T, Hq, D] -> dense [B, Ng, Hkv*d*G, D] / varlen [NG, Hkv*d*G, D] (contiguous)."""
+    D = q.shape[-1]
+    if not p.varlen:
+        pad_back = p.n_groups * p.d - p.T - 1
+        qp = torch.nn.functional.pad(q, (0, 0, 0, 0, 1, pad_back))  # [B, Ng*d, Hq, D]
+        qp = qp.view(p.B, p.n_groups, p.d, p.Hkv, p.G, D).permute(0, 1, 3, 2, 4, 5)
+        return qp.reshape(p.B, p.n_groups, p.heads, D)
+    buf = q.new_zeros(p.n_groups * p.d, q.shape[2], D)
+    buf = buf.index_copy(0, p.rows, q[0])
+    buf = buf.view(p.n_groups, p.d, p.Hkv, p.G, D).permute(0, 2, 1, 3, 4)
+    return buf.reshape(p.n_groups, p.heads, D)
+
+
+def unfold_o(o: torch.Tensor, p: FoldPlan) -> torch.Tensor:
+    """Kernel output (folded) -> [B, T, Hq, Dv]."""
+    Dv = o.shape[-1]
+    if not p.varlen:
+        o = o.view(p.B, p.n_groups, p.Hkv, p.d, p.G, Dv).permute(0, 1, 3, 2, 4, 5)
+        o = o.reshape(p.B, p.n_groups * p.d, p.Hkv * p.G, Dv)
+        return o[:, 1:p.T + 1]
+    o = o.view(p.n_groups, p.Hkv, p.d, p.G, Dv).permute(0, 2, 1, 3, 4)
+    o = o.reshape(p.n_groups * p.d, p.Hkv * p.G, Dv)
+    return o.index_select(0, p.rows)[None]
+
+
+def unfold_lse(lse: torch.Tensor, p: FoldPlan) -> torch.Tensor:
+    """Kernel LSE (dense [B, H', Ng]; varlen [H', NG]) -> [B, T, Hq] fp32, -inf where nothing is visible."""
+    lse = lse.detach().float()
+    if not p.varlen:
+        lse = lse.view(p.B, p.Hkv, p.d, p.G, p.n_groups).permute(0, 4, 2, 1, 3)
+        lse = lse.reshape(p.B, p.n_groups * p.d, p.Hkv * p.G)[:, 1:p.T + 1]
+    else:
+        lse = lse.view(p.Hkv, p.d, p.G, p.n_groups).permute(3, 1, 0, 2)
+        lse = lse.reshape(p.n_groups * p.d, p.Hkv * p.G).index_select(0, p.rows)[None]
+    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+
+
+def varlen_lse_2d(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """Normalize a varlen LSE to [H, total_q]: older flash-attn returned [n_seq, H, max_q] padded."""
+    if lse.dim() == 2:
+        return lse
+    n_seq, H, max_q = lse.shape
+    cu = cu_q.long()
+    tok = torch.arange(total_q, device=lse.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seq - 1)
+    pos = (tok - cu[seq]).clamp_(max=max_q - 1)
+    return lse[seq, :, pos].transpose(0, 1)

@@ -1,0 +1,86 @@
+"""Environment toggles of the backend router, read at CALL time (never cached at construction).
+
+Every routing decision calls `read()`, so `os.environ[...] = ...` between two calls of the same module
+takes effect on the next call. A malformed value is an error naming the variable, never silently
+ignored. docs/backends.md has the table of every toggle with its default and meaning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..validation import NSAInputError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    val = raw.strip().lower()
+    if val in _TRUE:
+        return True
+    if val in _FALSE:
+        return False
+    raise NSAInputError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
+
+
+def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        val = int(raw.strip())
+    except ValueError:
+        raise NSAInputError(f"{name}={raw!r}: expected an integer >= {minimum}") from None
+    if val < minimum:
+        raise NSAInputError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return val
+
+
+@dataclass(frozen=True)
+class Toggles:
+    use_fa2: bool = True  # NSA_USE_FA2: 0 turns off both FA-2 providers (flash_attn, torch_flash)
+    use_fa2_win: bool = True  # NSA_USE_FA2_WIN
+    use_fa2_cmp: bool = True  # NSA_USE_FA2_CMP
+    min_len_win: int | None = None  # NSA_FA2_MIN_LEN_WIN (None: nsa/fa2_thresholds.json)
+    min_len_cmp: int | None = None  # NSA_FA2_MIN_LEN_CMP
+    force: bool = False  # NSA_FA2_FORCE: override the SM policy (Ada, sm8x backward head-dim cap)
+    force_varlen: bool = False  # NSA_FA2_FORCE_VARLEN: dense input through the varlen kernels
+    force_dense: bool = False  # NSA_FA2_FORCE_DENSE: never the varlen kernels (packed input: guard fails)
+    pref_fp16: bool | None = None  # NSA_FA2_PREF_FP16: None = fp32 falls back; 1 = cast to fp16; 0 = to bf16
+    debug_timing: bool = False  # NSA_DEBUG_TIMING: synchronized per-(branch, backend) time buckets
+    sdpa_chunk: int | None = None  # NSA_SDPA_CHUNK: queries per chunk of the sdpa provider
+
+    def fa2_enabled(self, branch: str) -> bool:
+        if not self.use_fa2:
+            return False
+        return self.use_fa2_win if branch == "win" else self.use_fa2_cmp if branch == "cmp" else False
+
+    def min_len(self, branch: str) -> int | None:
+        return self.min_len_win if branch == "win" else self.min_len_cmp
+
+
+def read() -> Toggles:
+    """The toggles as the environment holds them now."""
+    pref_raw = os.environ.get("NSA_FA2_PREF_FP16")
+    pref = None if pref_raw is None or pref_raw.strip() == "" else env_bool("NSA_FA2_PREF_FP16", True)
+    t = Toggles(
+        use_fa2=env_bool("NSA_USE_FA2", True),
+        use_fa2_win=env_bool("NSA_USE_FA2_WIN", True),
+        use_fa2_cmp=env_bool("NSA_USE_FA2_CMP", True),
+        min_len_win=env_int("NSA_FA2_MIN_LEN_WIN", None),
+        min_len_cmp=env_int("NSA_FA2_MIN_LEN_CMP", None),
+        force=env_bool("NSA_FA2_FORCE", False),
+        force_varlen=env_bool("NSA_FA2_FORCE_VARLEN", False),
+        force_dense=env_bool("NSA_FA2_FORCE_DENSE", False),
+        pref_fp16=pref,
+        debug_timing=env_bool("NSA_DEBUG_TIMING", False),
+        sdpa_chunk=env_int("NSA_SDPA_CHUNK", None, minimum=1),
+    )
+    if t.force_varlen and t.force_dense:
+        raise NSAInputError("NSA_FA2_FORCE_VARLEN=1 and NSA_FA2_FORCE_DENSE=1 contradict each other: set one")
+    return t

@@ -1,0 +1,48 @@
+"""Fixtures of the backend tests: emulated FA-2 providers installed into the router (CPU, fp64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa import telemetry
+from nsa.backends import emulate, router
+from nsa.backends.flash_attn_provider import FlashAttnProvider
+from nsa.backends.sdpa import SdpaProvider
+from nsa.backends.torch_flash import TorchFlashProvider
+
+ENV = ("NSA_USE_FA2", "NSA_USE_FA2_WIN", "NSA_USE_FA2_CMP", "NSA_FA2_MIN_LEN_WIN", "NSA_FA2_MIN_LEN_CMP",
+       "NSA_FA2_FORCE", "NSA_FA2_FORCE_VARLEN", "NSA_FA2_FORCE_DENSE", "NSA_FA2_PREF_FP16", "NSA_DEBUG_TIMING",
+       "NSA_SDPA_CHUNK")
+
+
+def emulated(name: str, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)):
+    prov = (TorchFlashProvider(kernel=emulate.aten_flash_attention_forward) if name == "torch_flash"
+            else FlashAttnProvider(module=emulate.FakeFlashAttnModule))
+    prov.allow_cpu = True
+    prov.kernel_dtypes = dtypes
+    return prov
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    telemetry.reset()
+    yield monkeypatch
+    telemetry.reset()
+
+
+@pytest.fixture
+def fakes(clean_env):
+    """All three providers available on CPU: flash_attn and torch_flash emulated, sdpa real."""
+    provs = {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"), "sdpa": SdpaProvider()}
+    provs["sdpa"].available_override = (True, "test")
+    clean_env.setattr(router, "PROVIDERS", provs)
+    clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
+    clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
+    return provs
+
+
+def counts() -> dict:
+    return {(r["branch"], r["backend"], r["reason"]): r["calls"] for r in telemetry.snapshot()["counts"]}

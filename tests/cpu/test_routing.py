@@ -1,0 +1,270 @@
+"""Per-branch routing (flash_attn -> torch_flash -> sdpa -> torch), its telemetry, forcing, and the FA-2
+providers' math (compressed-branch group folding, window, varlen, head-dim padding) against the torch
+path through emulated kernels (nsa.backends.emulate), exactly in fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa import NSAAttention, NSAInputError, nsa_attention, telemetry
+from nsa.backends import router
+from nsa.backends.fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o, varlen_lse_2d
+
+from . import backend_fakes
+from .helpers import SMALL, make_inputs
+
+clean_env = backend_fakes.clean_env
+counts = backend_fakes.counts
+emulated = backend_fakes.emulated
+fakes = backend_fakes.fakes
+
+CFG = SMALL["l8d4s8n4"]
+CFGS = {"l8d4": CFG, "l8d8": SMALL["l8d8s8n3i0l0"], "l16d4": SMALL["l16d4s8n5i1l1"]}
+
+
+def _packed(gen, lengths, Hq, Hkv, Dk, Dv, dtype=torch.float64, requires_grad=False):
+    T = sum(lengths)
+    q, k, v, g = make_inputs(gen, 1, T, Hq, Hkv, Dk, Dv, dtype, requires_grad)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    return q, k, v, g, cu
+
+
+# --- routing order and reasons --------------------------------------------------------------------
+
+
+def test_cpu_default_routes_everything_to_torch(clean_env, gen):
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts() == {("cmp", "torch", "ok"): 1, ("sel", "torch", "ok"): 1, ("win", "torch", "ok"): 1}
+    assert telemetry.snapshot()["fallbacks"] == 0
+
+
+def test_order_prefers_flash_attn_then_torch_flash_then_sdpa(fakes, gen):
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts() == {("cmp", "flash_attn", "ok"): 1, ("win", "flash_attn", "ok"): 1, ("sel", "torch", "ok"): 1}
+    telemetry.reset()
+    fakes["flash_attn"].available_override = (False, "not installed")
+    nsa_attention(q, k, v, g, CFG)
+    assert counts() == {("cmp", "torch_flash", "ok"): 1, ("win", "torch_flash", "ok"): 1, ("sel", "torch", "ok"): 1}
+    telemetry.reset()
+    fakes["torch_flash"].available_override = (False, "no GPU")
+    nsa_attention(q, k, v, g, CFG)
+    assert counts() == {("cmp", "sdpa", "ok"): 1, ("win", "sdpa", "ok"): 1, ("sel", "torch", "ok"): 1}
+    telemetry.reset()
+    fakes["sdpa"].available_override = (False, "no sdpa")
+    nsa_attention(q, k, v, g, CFG)
+    assert counts() == {("cmp", "torch", "ok"): 1, ("win", "torch", "ok"): 1, ("sel", "torch", "ok"): 1}
+    assert telemetry.snapshot()["fallbacks"] == 0  # unavailability is the environment, not a fallback
+
+
+@pytest.mark.parametrize("var,branch", [("NSA_USE_FA2", None), ("NSA_USE_FA2_WIN", "win"), ("NSA_USE_FA2_CMP", "cmp")])
+def test_disable_toggles_fall_back_with_reason(fakes, gen, var, branch):
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
+    fakes.__class__  # noqa: B018
+    import os
+
+    os.environ[var] = "0"
+    try:
+        nsa_attention(q, k, v, g, CFG)
+    finally:
+        del os.environ[var]
+    c = counts()
+    for b in ("cmp", "win"):
+        if branch in (None, b):
+            assert c[(b, "sdpa", "disabled")] == 1
+        else:
+            assert c[(b, "flash_attn", "ok")] == 1
+    assert telemetry.snapshot()["fallbacks"] == (2 if branch is None else 1)
+
+
+def test_below_min_len_falls_back(fakes, gen, clean_env):
+    clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "64")
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
+    nsa_attention(q, k, v, g, CFG)
+    c = counts()
+    assert c[("win", "sdpa", "below_min_len")] == 1 and c[("cmp", "flash_attn", "ok")] == 1
+
+
+def test_guard_failure_of_every_fast_provider_lands_on_torch(fakes, gen):
+    fakes["sdpa"].available_override = (False, "x")
+    for p in ("flash_attn", "torch_flash"):
+        fakes[p].kernel_dtypes = (torch.float16,)  # fp64 input: dtype guard fails
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts()[("cmp", "torch", "dtype")] == 1 and counts()[("win", "torch", "dtype")] == 1
+
+
+def test_forcing_unavailable_backend_raises(clean_env, gen):
+    q, k, v, g = make_inputs(gen, 1, 20, 2, 1, 8, 8)
+    for name in ("flash_attn", "torch_flash"):
+        with pytest.raises(NSAInputError, match=f"backend='{name}' is not available here"):
+            nsa_attention(q, k, v, g, CFG, backend=name)
+    with pytest.raises(NSAInputError, match="backend must be one of"):
+        nsa_attention(q, k, v, g, CFG, backend="flash")
+
+
+def test_forcing_with_failed_guard_raises_reason(fakes, gen, clean_env):
+    q, k, v, g = make_inputs(gen, 1, 20, 2, 1, 12, 12)  # head dim 12: not a multiple of 8
+    with pytest.raises(NSAInputError, match="head_dim"):
+        nsa_attention(q, k, v, g, CFG, backend="torch_flash")
+    q, k, v, g = make_inputs(gen, 1, 20, 2, 1, 16, 16)
+    clean_env.setenv("NSA_USE_FA2", "0")
+    with pytest.raises(NSAInputError, match="disabled"):
+        nsa_attention(q, k, v, g, CFG, backend="flash_attn")
+    clean_env.delenv("NSA_USE_FA2")
+    clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "100000")  # forcing skips only the speed threshold
+    nsa_attention(q, k, v, g, CFG, backend="torch_flash")
+    assert counts()[("cmp", "torch_flash", "forced")] == 1
+
+
+def test_toggle_set_after_module_construction_takes_effect(fakes, gen, clean_env):
+    torch.manual_seed(0)
+    mod = NSAAttention(32, 4, 2, 16, 16, CFG).double()
+    x = torch.randn(1, 24, 32, dtype=torch.float64)
+    mod(x)
+    assert counts()[("win", "flash_attn", "ok")] == 1
+    clean_env.setenv("NSA_USE_FA2_WIN", "0")  # after construction: read at call time
+    mod(x)
+    assert counts()[("win", "sdpa", "disabled")] == 1
+
+
+def test_debug_timing_buckets(fakes, gen, clean_env):
+    clean_env.setenv("NSA_DEBUG_TIMING", "1")
+    q, k, v, g = make_inputs(gen, 1, 24, 2, 1, 16, 16)
+    nsa_attention(q, k, v, g, CFG)
+    t = telemetry.snapshot()["timings"]
+    assert t["cmp.flash_attn"]["calls"] == 1 and t["win.flash_attn"]["calls"] == 1
+
+
+# --- the FA-2 providers' math through the emulated kernels, exact in fp64 ----------------------------
+
+
+@pytest.mark.parametrize("prov", ["torch_flash", "flash_attn"])
+@pytest.mark.parametrize("cfg_name", sorted(CFGS))
+@pytest.mark.parametrize("T", [1, 5, 8, 9, 16, 37, 64])
+@pytest.mark.parametrize("mode", ["dense", "force_varlen"])
+def test_fa2_providers_match_torch_path_dense(fakes, gen, clean_env, prov, cfg_name, T, mode):
+    cfg = CFGS[cfg_name]
+    if mode == "force_varlen":
+        clean_env.setenv("NSA_FA2_FORCE_VARLEN", "1")
+    q, k, v, g = make_inputs(gen, 2, T, 4, 2, 16, 8)  # Dk != Dv: v padded to 16
+    want, want_idx = nsa_attention(q, k, v, g, cfg, backend="torch", return_indices=True)
+    got, idx = nsa_attention(q, k, v, g, cfg, backend=prov, return_indices=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(idx, want_idx)
+
+
+@pytest.mark.parametrize("prov", ["torch_flash", "flash_attn"])
+@pytest.mark.parametrize("G,Dk,Dv", [(1, 8, 16), (2, 16, 16), (4, 16, 8)])
+@pytest.mark.parametrize("lengths", [[0, 5, 0, 37, 8, 1], [64], [3, 0], [17, 40, 0]])
+def test_fa2_providers_match_torch_path_packed(fakes, gen, prov, G, Dk, Dv, lengths):
+    q, k, v, g, cu = _packed(gen, lengths, 2 * G, 2, Dk, Dv)
+    for cfg in CFGS.values():
+        want, want_idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
+        got, idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend=prov, return_indices=True)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(idx, want_idx)
+
+
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_window_larger_and_smaller_than_T(fakes, gen, window):
+    cfg = CFG.with_(window=window)
+    q, k, v, g = make_inputs(gen, 1, 30, 4, 1, 16, 16)
+    torch.testing.assert_close(nsa_attention(q, k, v, g, cfg, backend="torch_flash"),
+                               nsa_attention(q, k, v, g, cfg, backend="torch"), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("prov", ["torch_flash", "sdpa"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradients_match_torch_path(fakes, gen, prov, packed):
+    if packed:
+        q, k, v, g, cu = _packed(gen, [9, 0, 23], 4, 2, 16, 8, requires_grad=True)
+    else:
+        (q, k, v, g), cu = make_inputs(gen, 2, 29, 4, 2, 16, 8, requires_grad=True), None
+    w = torch.randn(q.shape[:3] + (8,), generator=gen, dtype=torch.float64)
+    idx = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, backend="torch", return_indices=True)[1]
+    grads = []
+    for be in ("torch", prov):
+        out = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, backend=be, block_indices=idx)
+        grads.append(torch.autograd.grad((out * w).sum(), (q, k, v, g)))
+    for a, b in zip(*grads):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+def test_fp32_cast_policy_pref_fp16(fakes, gen, clean_env):
+    fakes["torch_flash"].kernel_dtypes = (torch.float16, torch.bfloat16)
+    q, k, v, g = make_inputs(gen, 1, 24, 2, 1, 16, 16, dtype=torch.float32)
+    with pytest.raises(NSAInputError, match="dtype"):
+        nsa_attention(q, k, v, g, CFG, backend="torch_flash")
+    want = nsa_attention(q, k, v, g, CFG, backend="torch")
+    for pref in ("1", "0"):
+        clean_env.setenv("NSA_FA2_PREF_FP16", pref)
+        idx = nsa_attention(q, k, v, g, CFG, backend="torch", return_indices=True)[1]
+        got = nsa_attention(q, k, v, g, CFG, backend="torch_flash", block_indices=idx)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-2)
+
+
+# --- the folding itself -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 4, 7, 16, 33])
+def test_fold_unfold_roundtrip_dense(gen, T):
+    cfg = CFG
+    q = torch.randn(2, T, 4, 8, generator=gen, dtype=torch.float64)
+    p = plan_dense(2, T, 2, 2, cfg)
+    f = fold_q(q, p)
+    assert f.shape == (2, T // 4 + 1, 2 * 4 * 2, 8) and f.is_contiguous()
+    assert torch.equal(unfold_o(f, p), q)
+    # group m = (t + 1) // d holds token t; pad row (position 0) and tail rows are zero
+    assert (f[:, 0].view(2, 2, 4, 2, 8)[:, :, 0] == 0).all()
+    lse = torch.randn(2, p.heads, p.n_groups)
+    lse[:, :, 0] = float("inf")
+    u = unfold_lse(lse, p)
+    assert u.shape == (2, T, 4) and torch.isneginf(u[:, :3]).all()
+
+
+def test_fold_varlen_rows_and_offsets():
+    cfg = CFG  # l = 8, d = 4
+    host = [0, 0, 5, 13]
+    p = plan_varlen(host, 13, 1, 1, cfg, "cpu")
+    assert p.cu_q.tolist() == [0, 1, 3, 6] and p.cu_k.tolist() == [0, 0, 0, 1]
+    assert p.rows.tolist() == [4 + 1 + t for t in range(5)] + [12 + 1 + t for t in range(8)]
+    q = torch.arange(13, dtype=torch.float64).view(1, 13, 1, 1) + 1
+    assert torch.equal(unfold_o(fold_q(q, p), p), q)
+
+
+def test_varlen_lse_old_layout():
+    lse3 = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # [n_seq, H, max_q]
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    out = varlen_lse_2d(lse3, cu, 6)
+    assert out.shape == (3, 6)
+    assert out[:, 4].tolist() == lse3[1, :, 0].tolist() and out[:, 3].tolist() == lse3[0, :, 3].tolist()
+
+
+# --- the sdpa provider against the torch path (CPU, fp64 / fp32) --------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("chunk", [None, "7"])
+def test_sdpa_matches_torch_path(clean_env, gen, dtype, tol, chunk):
+    if chunk:
+        clean_env.setenv("NSA_SDPA_CHUNK", chunk)
+    for cfg in CFGS.values():
+        q, k, v, g = make_inputs(gen, 2, 45, 4, 2, 16, 8, dtype=dtype)
+        want, wi = nsa_attention(q, k, v, g, cfg, backend="torch", return_indices=True)
+        got = nsa_attention(q, k, v, g, cfg, backend="sdpa", block_indices=wi)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        q, k, v, g, cu = _packed(gen, [0, 13, 2, 30], 4, 1, 8, 8, dtype=dtype)
+        want, wi = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
+        got = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="sdpa", block_indices=wi)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert counts()[("cmp", "sdpa", "forced")] == 6
+
+
+def test_router_registry_is_complete():
+    assert set(router.ORDER) == set(router.PROVIDERS)
+    assert emulated("torch_flash").name == "torch_flash"

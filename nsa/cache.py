@@ -49,6 +49,9 @@ class NSACache:
             raise NSAInputError(f"{name} must have shape [B={want[0]}, T, Hkv={want[2]}, {D}], got {tuple(x.shape)}")
         if x.device != self.k_sel.device:
             raise NSAInputError(f"{name} is on {x.device}, the cache on {self.k_sel.device}")
+        if x.dtype != self.k_sel.dtype:
+            raise NSAInputError(f"{name} has dtype {x.dtype}, the cache holds {self.k_sel.dtype}: "
+                                "create the cache with the model's dtype")
 
     def write(self, k, v, kv_cmp=None, kv_win=None, compress_fn=None) -> None:
         """Append T new tokens (prefill: T = prompt length; decode: T = 1). k, v [B, T, Hkv, D]."""
@@ -60,6 +63,9 @@ class NSACache:
             raise NSAInputError(f"cache overflow: {t1} tokens > max_len={self.max_len}")
         kc, vc = kv_cmp if kv_cmp is not None else (k, v)
         kw, vw = kv_win if kv_win is not None else (k, v)
+        for name, x, D in (("kv_cmp[k]", kc, self.k_sel.shape[3]), ("kv_cmp[v]", vc, self.v_sel.shape[3]),
+                           ("kv_win[k]", kw, self.k_sel.shape[3]), ("kv_win[v]", vw, self.v_sel.shape[3])):
+            self._check(name, x, D)
         cfg = self.config
         with torch.no_grad():
             self.k_sel[:, t0:t1] = k

@@ -107,8 +107,8 @@ def dedupe_indices(indices):
     s = torch.where(idx >= 0, idx, torch.full_like(idx, big)).sort(dim=-1).values
     repeat = torch.zeros_like(s, dtype=torch.bool)
     repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    s = torch.where(repeat | (s == big), torch.full_like(s, -1), s)
-    return s
+    s = torch.where(repeat, torch.full_like(s, big), s).sort(dim=-1).values  # repeats go to the end
+    return torch.where(s == big, torch.full_like(s, -1), s)
 
 
 def selected_branch(q, k, v, indices, pos, seq_start, cfg: NSAConfig, scale):

@@ -136,7 +136,12 @@ def nsa_forward_torch(q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_c
     k_win, v_win = kv_win if kv_win is not None else (k, v)
     k_cmp, v_cmp = compress_kv(kc_src, vc_src, layout, cfg, compress_fn)
     ct = compute_dtype(q.dtype)
-    k_cmp_ct, v_cmp_ct = k_cmp.to(ct), v_cmp.to(ct)  # small (T / d rows): cast once, not per chunk
+    # Cast once per call, not per chunk. Gathering from compute-dtype copies also makes the backward's
+    # scatter-add of K/V gradients accumulate in fp32 rather than in bf16.
+    k_cmp_ct, v_cmp_ct = k_cmp.to(ct), v_cmp.to(ct)
+    shared_win = k_win is k and v_win is v
+    k, v = k.to(ct), v.to(ct)
+    k_win, v_win = (k, v) if shared_win else (k_win.to(ct), v_win.to(ct))
 
     o_cmp_full = lse_cmp_full = o_win_full = None
     if providers is not None and providers.cmp is not None:

@@ -1,0 +1,180 @@
+"""The bench gate's headline figures: a few fixed NSA timings, median over repeats.
+
+    python -m ci.bench_headline --out bench-headline.json [--device cuda] [--full] [--repeats 5]
+
+Figures (all "lower is better", milliseconds; dtype bf16 on CUDA, fp32 on CPU; paper block sizes):
+  prefill_fwd_ms       nsa_attention forward, B=1, T=4096 (--full: 16384), Hq=16, Hkv=2, D=128
+  prefill_fwd_bwd_ms   the same forward plus backward w.r.t. q, k, v, gates
+  decode_step_ms       one nsa_decode step after a prefill of S=4096 (--full: 16384) tokens into an NSACache
+Each figure: `warmup` untimed calls, then `repeats` repeats of `iters` back-to-back calls timed with a
+device synchronization at both ends; a repeat's value is the mean per call and the figure is the median
+of the repeats (the spread is recorded as min/max). The clock is wall time on CUDA and this process's CPU
+time on CPU (so a loaded CI machine does not move CPU figures). `--tiny` shrinks every shape (CPU tests).
+
+Every timed function is wrapped by ci.slowdown.slowed(): NSA_TEST_SLOWDOWN=<factor> makes it that much
+slower (the test-only switch that proves the gate fails). The JSON records the factor it ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = "nsa-bench-headline/1"
+
+SHAPES = {
+    "quick": dict(B=1, T=4096, Hq=16, Hkv=2, D=128, S=4096),
+    "full": dict(B=1, T=16384, Hq=16, Hkv=2, D=128, S=16384),
+    "tiny": dict(B=1, T=96, Hq=2, Hkv=1, D=16, S=96),
+}
+
+
+def _sync_for(device):
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def measure(fn, *, sync, warmup: int, iters: int, repeats: int, clock=time.perf_counter) -> dict:
+    """Median over `repeats` of the mean ms per call over `iters` calls (fn already slowed if asked)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    values = []
+    for _ in range(repeats):
+        sync()
+        t0 = clock()
+        for _ in range(iters):
+            fn()
+        sync()
+        values.append((clock() - t0) * 1e3 / iters)
+    return {"value": statistics.median(values), "min": min(values), "max": max(values), "repeats": values,
+            "iters": iters, "warmup": warmup, "unit": "ms", "better": "lower"}
+
+
+def _inputs(shape, device, dtype, requires_grad=False, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    B, T, Hq, Hkv, D = shape["B"], shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
+    q = torch.randn(B, T, Hq, D, generator=g)
+    k = torch.randn(B, T, Hkv, D, generator=g)
+    v = torch.randn(B, T, Hkv, D, generator=g)
+    gates = torch.rand(B, T, Hq, 3, generator=g)
+    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, gates)]
+    if requires_grad:
+        out = [x.requires_grad_() for x in out]
+    return out
+
+
+def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int | None = None,
+        warmup: int | None = None, only: list[str] | None = None) -> dict:
+    import torch
+
+    from ci.slowdown import factor, slowed
+    from nsa import NSACache, NSAConfig, nsa_attention, nsa_decode, nsa_prefill
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_headline: --device cuda but torch sees no CUDA GPU")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    shape = SHAPES[size]
+    cfg = NSAConfig() if size != "tiny" else NSAConfig(block_cmp=16, stride_cmp=8, block_sel=16, n_sel=4, window=32)
+    iters = iters or (10 if size != "tiny" else 3)
+    warmup = warmup if warmup is not None else (3 if size != "tiny" else 1)
+    sync = _sync_for(device)
+    clock = time.perf_counter if device.startswith("cuda") else time.process_time
+    timed = dict(sync=sync, warmup=warmup, repeats=repeats, clock=clock)
+
+    def slow(fn):
+        return slowed(fn, sync, clock=clock)
+
+    figures: dict[str, dict] = {}
+    want = set(only or ("prefill_fwd_ms", "prefill_fwd_bwd_ms", "decode_step_ms"))
+
+    if "prefill_fwd_ms" in want:
+        q, k, v, g = _inputs(shape, device, dtype)
+
+        def fwd():
+            with torch.no_grad():
+                return nsa_attention(q, k, v, g, cfg)
+
+        figures["prefill_fwd_ms"] = measure(slow(fwd), iters=iters, **timed)
+    if "prefill_fwd_bwd_ms" in want:
+        q, k, v, g = _inputs(shape, device, dtype, requires_grad=True)
+        grad = torch.randn(shape["B"], shape["T"], shape["Hq"], shape["D"], generator=torch.Generator().manual_seed(1))
+        grad = grad.to(device=device, dtype=dtype)
+
+        def fwd_bwd():
+            out = nsa_attention(q, k, v, g, cfg)
+            torch.autograd.backward(out, grad)
+            for x in (q, k, v, g):
+                x.grad = None
+
+        figures["prefill_fwd_bwd_ms"] = measure(slow(fwd_bwd), iters=max(1, iters // 2), **timed)
+    if "decode_step_ms" in want:
+        S = shape["S"]
+        pre = dict(shape, T=S)
+        q, k, v, g = _inputs(pre, device, dtype)
+        steps = warmup + repeats * iters
+        cache = NSACache(cfg, shape["B"], S + steps, shape["Hkv"], shape["D"], shape["D"], device=device,
+                         dtype=dtype)
+        with torch.no_grad():
+            nsa_prefill(q, k, v, g, cache)
+        one = _inputs(dict(shape, T=1), device, dtype, seed=2)
+
+        def step():
+            with torch.no_grad():
+                return nsa_decode(*one, cache)
+
+        figures["decode_step_ms"] = measure(slow(step), iters=iters, **timed)
+
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    return {
+        "schema": SCHEMA,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "device": device,
+        "gpu": gpu,
+        "dtype": str(dtype).replace("torch.", ""),
+        "size": size,
+        "shape": shape,
+        "config": {k_: getattr(cfg, k_) for k_ in ("block_cmp", "stride_cmp", "block_sel", "n_sel", "window")},
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "slowdown": factor(),
+        "clock": clock.__name__,
+        "figures": figures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--device", default="cuda")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the long shapes (T = S = 16384)")
+    size.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=None)
+    args = ap.parse_args(argv)
+    res = run(args.device, "full" if args.full else "tiny" if args.tiny else "quick", args.repeats, args.iters)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    for name, f in res["figures"].items():
+        print(f"summary: {name} = {f['value']:.4f} ms (median of {len(f['repeats'])} repeats, "
+              f"min {f['min']:.4f}, max {f['max']:.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""ci/bench_gate.py + ci/bench_headline.py + ci/slowdown.py: the gate passes within its allowance, fails
+beyond it, and a deliberately slowed path (NSA_TEST_SLOWDOWN) makes it fail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ci import bench_gate as G
+from ci import bench_headline as H
+from ci import slowdown
+
+BASE = {"schema": G.SCHEMA, "policy": {"allowance": 0.10},
+        "classes": {"h200": {"figures": {
+            "prefill_fwd_ms": {"value": 10.0, "better": "lower", "source": {"commit": "abc"}},
+            "tok_per_s": {"value": 1000.0, "better": "higher"},
+            "decode_step_ms": {"value": 1.0, "allowance": 0.5}}}}}
+
+
+def fig(v):
+    return {"value": v, "better": "lower"}
+
+
+def test_gpu_class():
+    assert G.gpu_class("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert G.gpu_class("NVIDIA H200") == "h200"
+    assert G.gpu_class(None) == "cpu"
+
+
+def test_within_allowance_passes_beyond_fails():
+    assert G.compare({"prefill_fwd_ms": fig(10.9)}, BASE, "h200")["status"] == G.PASS
+    assert G.compare({"prefill_fwd_ms": fig(11.0)}, BASE, "h200")["status"] == G.PASS  # at the limit
+    res = G.compare({"prefill_fwd_ms": fig(11.2)}, BASE, "h200")
+    assert res["status"] == G.FAIL and res["rows"][0]["source"] == {"commit": "abc"}
+    assert G.compare({"prefill_fwd_ms": fig(5.0)}, BASE, "h200")["status"] == G.PASS  # faster is fine
+    # higher-is-better figures and a figure's own allowance
+    assert G.compare({"tok_per_s": {"value": 899.0, "better": "higher"}}, BASE, "h200")["status"] == G.FAIL
+    assert G.compare({"tok_per_s": {"value": 950.0, "better": "higher"}}, BASE, "h200")["status"] == G.PASS
+    assert G.compare({"decode_step_ms": fig(1.45)}, BASE, "h200")["status"] == G.PASS
+    # one regression among passing figures fails the gate
+    both = G.compare({"prefill_fwd_ms": fig(10.0), "decode_step_ms": fig(2.0)}, BASE, "h200")
+    assert both["status"] == G.FAIL
+    assert any("FAIL" in line for line in G.describe(both))
+
+
+def test_no_baseline_for_class():
+    res = G.compare({"prefill_fwd_ms": fig(10.0)}, BASE, "h100-80gb-hbm3")
+    assert res["status"] == G.NO_BASELINE and "no baseline" in G.describe(res)[0]
+
+
+def test_shipped_baselines_file_loads():
+    data = G.load_baselines()
+    assert data["schema"] == G.SCHEMA and 0 < data["policy"]["allowance"] < 1
+    for cls in data["classes"].values():  # every stored number says where it came from
+        for f in cls["figures"].values():
+            assert f["source"]["commit"] and f["source"]["date"]
+
+
+def test_slowdown_switch(monkeypatch):
+    monkeypatch.delenv(slowdown.ENV, raising=False)
+    f = lambda: 1  # noqa: E731
+    assert slowdown.slowed(f) is f
+    assert slowdown.factor({slowdown.ENV: "2.5"}) == 2.5
+    for bad in ("x", "0.5", "-1"):
+        with pytest.raises(ValueError, match=slowdown.ENV):
+            slowdown.factor({slowdown.ENV: bad})
+    w = slowdown.slowed(f, environ={slowdown.ENV: "3"})
+    assert w() == 1 and w.slowdown == 3.0
+
+
+def test_seeded_regression_fails_the_gate(tmp_path, monkeypatch):
+    """The real headline bench (tiny shapes, CPU): baseline, an unchanged rerun passes, a slowed one fails."""
+    monkeypatch.delenv(slowdown.ENV, raising=False)
+    run = lambda: H.run("cpu", "tiny", repeats=3, iters=2, only=["prefill_fwd_ms"])  # noqa: E731
+    run()  # one-time costs (lazy imports, allocator warm-up) stay out of the baseline
+    first = run()
+    assert first["slowdown"] == 1.0 and first["figures"]["prefill_fwd_ms"]["value"] > 0
+    baselines = G.promote(first, {"schema": G.SCHEMA, "policy": {"allowance": 1.0}, "classes": {}}, "cpu",
+                          commit="test", artifact="tmp")
+    src = baselines["classes"]["cpu"]["figures"]["prefill_fwd_ms"]["source"]
+    assert src["commit"] == "test" and src["date"] and src["statistic"].startswith("median")
+    path = tmp_path / "baselines.json"
+    path.write_text(json.dumps(baselines))
+
+    assert G.compare(run()["figures"], baselines, "cpu")["status"] == G.PASS
+
+    monkeypatch.setenv(slowdown.ENV, "5")
+    slowed = run()
+    assert slowed["slowdown"] == 5.0
+    res = G.compare(slowed["figures"], baselines, "cpu")
+    assert res["status"] == G.FAIL and res["rows"][0]["ratio"] > 3, (first["figures"], slowed["figures"])
+    head = tmp_path / "headline.json"
+    head.write_text(json.dumps(slowed))
+    assert G.main(["check", str(head), "--baselines", str(path), "--gpu-class", "cpu"]) == 1
+    with pytest.raises(ValueError, match="SLOWDOWN"):
+        G.promote(slowed, baselines, "cpu", commit="x")
+
+
+def test_cli_promote_then_check(tmp_path, capsys):
+    head = tmp_path / "h.json"
+    head.write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-22T00:00:00+00:00", "slowdown": 1.0,
+                                "figures": {"prefill_fwd_ms": fig(2.0)}}))
+    path = tmp_path / "b.json"
+    assert G.main(["promote", str(head), "--baselines", str(path), "--commit", "c0ffee"]) == 0
+    assert json.loads(path.read_text())["classes"]["h200"]["figures"]["prefill_fwd_ms"]["value"] == 2.0
+    out_json = tmp_path / "gate.json"
+    assert G.main(["check", str(head), "--baselines", str(path), "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["status"] == G.PASS
+    assert G.main(["check", str(head), "--baselines", str(path), "--gpu-class", "a100", "--strict"]) == 1
+    assert "NO-BASELINE" in capsys.readouterr().out

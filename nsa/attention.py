@@ -78,6 +78,10 @@ class NSAAttention(nn.Module):
             self.phi_v = CompressMLP(self.config.block_cmp, d_v)
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=bias)
 
+    def _cache_env_vars(self) -> None:
+        """Kept for the seeds' runbook, which calls it to refresh flags: there is nothing to refresh here,
+        every NSA_* toggle is read at call time (nsa.backends.toggles)."""
+
     def compress_fn(self):
         return (self.phi_k, self.phi_v) if self.config.compress == "mlp" else None
 

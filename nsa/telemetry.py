@@ -55,6 +55,15 @@ def add_time(bucket: str, ms: float) -> None:
         _times[bucket] = (calls + 1, total + float(ms))
 
 
+# Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), or a
+# decode step ran the torch branches on the cache ("decode").
+NORMAL_REASONS = ("ok", "decode")
+
+
+def is_normal(reason: str) -> bool:
+    return reason in NORMAL_REASONS or reason.startswith("forced")
+
+
 def snapshot() -> dict:
     """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n,
     "events": [{"branch", "backend", "event", "calls"}...], "timings": {bucket: {"calls", "total_ms"}}}."""
@@ -63,7 +72,7 @@ def snapshot() -> dict:
         events = sorted(_events.items())
         times = dict(sorted(_times.items()))
     rows = [{"branch": b, "backend": be, "reason": r, "calls": n} for (b, be, r), n in items]
-    fallbacks = sum(n for (_, _, r), n in items if r != "ok" and not r.startswith("forced"))
+    fallbacks = sum(n for (_, _, r), n in items if not is_normal(r))
     return {"counts": rows, "calls": sum(n for _, n in items), "fallbacks": fallbacks,
             "events": [{"branch": b, "backend": be, "event": e, "calls": n} for (b, be, e), n in events],
             "timings": {k: {"calls": c, "total_ms": round(t, 4)} for k, (c, t) in times.items()}}

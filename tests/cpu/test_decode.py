@@ -43,7 +43,7 @@ def _decode_all(q, k, v, g, cfg, P, *, dtype=torch.float64, **extra):
         outs.append(nsa_prefill(sl(q), sl(k), sl(v), sl(g), cache, backend="torch", **ex))
         assert cache.length == P
     for t in range(P, T):
-        sl = lambda x: x[:, t:t + 1]  # noqa: E731
+        sl = lambda x, t=t: x[:, t:t + 1]  # noqa: E731
         ex = {n: (tuple(map(sl, val)) if n in ("kv_cmp", "kv_win") else val) for n, val in extra.items()}
         o, i = nsa_decode(sl(q), sl(k), sl(v), sl(g), cache, return_indices=True, **ex)
         assert o.shape == (B, 1, Hq, Dv) and i.shape == (B, 1, Hkv, cfg.n_sel)

@@ -144,7 +144,8 @@ def test_fixed_block_indices_returned(gen, case):
     _, idx = nsa_attention(q, k, v, g, cfg, backend="torch", block_indices=fixed, return_indices=True)
     assert torch.equal(idx, ref.indices), (
         f"first differing row: fixed={fixed[(idx != ref.indices).any(-1)][0].tolist()} "
-        f"got={idx[(idx != ref.indices).any(-1)][0].tolist()} want={ref.indices[(idx != ref.indices).any(-1)][0].tolist()}"
+        f"got={idx[(idx != ref.indices).any(-1)][0].tolist()} "
+        f"want={ref.indices[(idx != ref.indices).any(-1)][0].tolist()}"
     )
 
 

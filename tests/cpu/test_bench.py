@@ -1,0 +1,170 @@
+"""The smoke (main job) and the bench scripts on tiny settings: they run, write what they promise, and the
+smoke's gate can fail."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa import NSAConfig, benchutil, nsa_decode
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_SMOKE = ["--seq", "40", "--batch", "1", "--layers", "1", "--new-tokens", "3", "--steps", "4", "--lr", "1e-2",
+              "--vocab", "64", "--dim", "32", "--heads", "4", "--kv-groups", "2", "--dk", "8", "--dv", "8"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_main_writes_valid_json(tmp_path, capsys):
+    from nsa import smoke
+
+    assert smoke.main(TINY_SMOKE + ["--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "smoke.json").read_text())
+    assert rep["passed"] is True
+    names = {c["name"]: c["passed"] for c in rep["checks"]}
+    assert names == {"forward_finite": True, "backward_finite": True, "loss_decreases": True,
+                     "generate_matches_uncached": True, "routing_visible": True}
+    for key in ("python", "torch", "cuda", "device_name", "git_commit", "date_utc"):
+        assert key in rep["meta"]
+    assert rep["config"]["nsa"]["block_cmp"] == 16 and rep["shapes"]["generated"] == [1, 43]
+    for phase in ("forward", "train", "generate"):
+        assert all(rep["served"][phase][b] for b in ("cmp", "sel", "win"))
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_smoke_fails_when_a_check_fails(tmp_path, monkeypatch):
+    from nsa import smoke
+
+    monkeypatch.setitem(smoke.TOLERANCE, torch.float32, -1.0)  # no logit difference can pass
+    assert smoke.main(TINY_SMOKE + ["--steps", "1", "--out", str(tmp_path)]) == 1
+    rep = json.loads((tmp_path / "smoke.json").read_text())
+    failed = {c["name"] for c in rep["checks"] if not c["passed"]}
+    assert "generate_matches_uncached" in failed and rep["passed"] is False
+
+
+def test_bench_decode_and_summary(tmp_path, capsys):
+    dec = _load("bench_decode")
+    out = tmp_path / "decode.csv"
+    argv = ["--B", "1", "--dim", "32", "--heads", "4", "--groups", "2", "--dk", "8", "--dv", "8", "--l", "8",
+            "--d", "4", "--l_sel", "8", "--n_sel", "3", "--w", "16", "--S_list", "20,41", "--iters", "1",
+            "--warmup", "0", "--csv", str(out), "--branch_force_mode", "env", "--device", "cpu"]
+    assert dec.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["S"]) for r in rows] == [20, 41]
+    assert list(rows[0]) == dec.COLUMNS
+    for r in rows:
+        for c in ("step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms", "win_ms", "dense_ms", "kv_bytes"):
+            assert float(r[c]) > 0, c
+        parts = sum(int(r[c]) for c in ("kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win"))
+        assert int(r["kv_bytes"]) == parts
+    # S=41, step at t=41: 9 compressed blocks of the 42 tokens, window 16, selected blocks 0 (init), 5 (local:
+    # tokens 40..41 only) and one more full block -> 8 + 8 + 2 tokens; per KV head, 2 KV heads
+    per_tok = (8 + 8) * 4
+    assert int(rows[1]["cmp_blocks"]) == 9
+    assert int(rows[1]["kv_bytes"]) == 2 * per_tok * (9 + 18 + 16)
+    assert int(rows[1]["dense_kv_bytes"]) == 2 * per_tok * 42
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["meta"]["torch"] == torch.__version__ and len(side["rows"]) == 2
+
+    assert dec.main(argv[:-4] + ["--branch_force_mode", "sel", "--device", "cpu"]) == 0
+    row = next(csv.DictReader(out.open()))
+    assert row["cmp_ms"] == "" and row["win_ms"] == "" and float(row["sel_ms"]) > 0
+
+    summ = _load("summarize_decode_csv")
+    capsys.readouterr()
+    assert summ.main([str(out), "--markdown"]) == 0
+    text = capsys.readouterr().out
+    assert "| 41 |" in text and "tok/s" in text
+    assert summ.main([str(out)]) == 0
+
+
+def test_dense_decode_baseline_matches_nsa_window_branch():
+    """With w >= S + 1 and only the window gate on, NSA decode is dense attention over the cache: the
+    bench's SDPA baseline (no is_causal with one query) must agree."""
+    dec = _load("bench_decode")
+    torch.manual_seed(0)
+    cfg = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=2, n_init=1, n_local=1, window=64)
+    B, S, Hq, Hkv, D = 2, 30, 4, 2, 8
+    k, v = torch.randn(B, S + 1, Hkv, D, dtype=torch.float64), torch.randn(B, S + 1, Hkv, D, dtype=torch.float64)
+    q = torch.randn(B, 1, Hq, D, dtype=torch.float64)
+    from nsa import NSACache
+
+    cache = NSACache(cfg, B, S + 1, Hkv, D, D, dtype=torch.float64)
+    cache.write(k[:, :S], v[:, :S])
+    gates = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64).expand(B, 1, Hq, 3)
+    out = nsa_decode(q, k[:, S:], v[:, S:], gates, cache)
+    ref = dec.sdpa_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), D ** -0.5).transpose(1, 2)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_bench_prefill_tiny(tmp_path):
+    pre = _load("bench_prefill")
+    out = tmp_path / "prefill.csv"
+    argv = ["--T_list", "24,70", "--heads", "4", "--kv_heads", "2", "--dk", "16", "--dv", "8", "--l", "8", "--d",
+            "4", "--l_sel", "8", "--n_sel", "3", "--w", "16", "--iters", "1", "--warmup", "0", "--device", "cpu",
+            "--csv", str(out)]
+    assert pre.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == pre.COLUMNS and [int(r["T"]) for r in rows] == [24, 70]
+    for r in rows:
+        for c in ("fwd_ms", "fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "ratio_fwd", "fwd_ns_per_work"):
+            assert float(r[c]) > 0, c
+        assert int(r["fwd_peak_bytes"]) >= 0
+        assert r["served"] == "cmp:torch;sel:torch;win:torch"
+        assert float(r["work"]) == int(r["T"]) * (int(r["T"]) / 4 + 3 * 8 + 16)
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["args"]["backward"] is True and len(meta["rows"]) == 2
+
+    assert pre.main(argv + ["--no-backward", "--no-dense", "--csv", str(out)]) == 0
+    r = next(csv.DictReader(out.open()))
+    assert r["fwd_bwd_ms"] == "" and r["dense_fwd_ms"] == ""
+
+
+def test_dense_prefill_baseline_is_causal_gqa():
+    pre = _load("bench_prefill")
+    torch.manual_seed(0)
+    q = torch.randn(1, 10, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 10, 2, 8, dtype=torch.float64), torch.randn(1, 10, 2, 6, dtype=torch.float64)
+    out, _ = pre.dense_attention(q, k, v, 8 ** -0.5)
+    kk, vv = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+    logits = torch.einsum("bthd,bshd->bhts", q, kk) * 8 ** -0.5
+    logits = logits.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhts,bshd->bthd", logits.softmax(-1), vv)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_benchutil(tmp_path, monkeypatch):
+    calls = []
+    t = benchutil.time_fn(lambda: calls.append(1), iters=3, warmup=2)
+    assert len(calls) == 5 and t["iters"] == 3 and t["median_ms"] >= 0 and len(t["times_ms"]) == 3
+    with pytest.raises(ValueError):
+        benchutil.time_fn(lambda: None, iters=0)
+    mem = benchutil.peak_memory(lambda: torch.ones(8 << 20).add_(1))  # 32 MiB
+    assert mem["peak_bytes"] >= 0 and mem["method"]
+    meta = benchutil.env_metadata("cpu")
+    json.dumps(meta)
+    assert meta["device"] == "cpu" and meta["torch"] == torch.__version__
+    monkeypatch.setattr(benchutil, "REPO_ROOT", tmp_path)  # not a git checkout: None, not an error
+    assert benchutil.git_commit() is None
+    p = benchutil.write_csv(tmp_path / "x.csv", [{"a": 1, "b": float("nan")}, {"a": 2.5, "c": "z"}])
+    assert p.read_text().splitlines() == ["a,b,c", "1,,", "2.5,,z"]
+    j = benchutil.write_json(tmp_path / "x.json", {"v": float("inf"), "t": torch.tensor([1, 2]), "d": torch.float32})
+    assert json.loads(j.read_text()) == {"v": None, "t": [1, 2], "d": "torch.float32"}
+    assert benchutil.parse_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError):
+        benchutil.parse_dtype("int3")
+    assert benchutil.fmt_bytes(2048) == "2.00 KiB" and benchutil.fmt_bytes(float("nan")) == "-"
+    with benchutil.Stopwatch() as sw:
+        pass
+    assert math.isfinite(sw.ms) and sw.ms >= 0

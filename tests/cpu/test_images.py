@@ -1,0 +1,249 @@
+"""The Docker image build plan (ci/images.py), its labels and tags, and the checks of a built image (issue 5).
+
+No docker, torch or network needed: the real build-and-run test is docker/build_cpu_ci.sh (`nox -s images
+-- --ci`). Tests that read docker/ skip inside an image, whose /workspace holds no docker/ directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from ci import images  # noqa: E402
+
+CPU = "cpu-torch2.13-py311"
+SHA = "0123456789abcdef0123456789abcdef01234567"
+DATE = "2026-01-02T03:04:05Z"
+needs_docker_dir = pytest.mark.skipif(not (ROOT / "docker" / "Dockerfile").exists(), reason="no docker/ here")
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return images.load_matrix()
+
+
+@pytest.fixture(scope="module")
+def plans(matrix):
+    cells, upstream = matrix
+    return {
+        c["id"]: images.make_plan(c, upstream, registry="reg.example/team", name="nsa", rev=SHA, date=DATE)
+        for c in cells
+    }
+
+
+def _cell(matrix, cid):
+    return next(c for c in matrix[0] if c["id"] == cid)
+
+
+def test_every_cell_has_a_plan(matrix, plans):
+    assert set(plans) == {c["id"] for c in matrix[0]}
+    assert CPU in plans
+
+
+def test_tags_are_cell_and_cell_sha(plans):
+    for cid, p in plans.items():
+        assert p.tags == (f"reg.example/team/nsa:{cid}", f"reg.example/team/nsa:{cid}-{SHA[:12]}")
+        for tag in p.tags:  # a valid docker reference: tag <= 128 chars of [A-Za-z0-9_.-]
+            assert re.fullmatch(r"[a-z0-9./-]+:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", tag), tag
+
+
+def test_plan_lists_bases_flash_source_and_size(plans):
+    for cid, p in plans.items():
+        assert p.build_base and p.runtime_base, cid
+        assert p.flash_attn_source in ("none", "wheel", "source"), cid
+        assert p.expected_size_gb > 0, cid
+        if p.cpu_only:
+            assert p.expected_size_gb <= 1.5 and not p.min_driver
+            assert p.build_args["PRUNE"].split() == list(images.CPU_PRUNE)
+        else:
+            assert p.build_base.startswith("nvidia/cuda:") and "devel" in p.build_base, cid
+            assert "devel" not in p.runtime_base, f"{cid}: the runtime stage must not be a -devel image"
+            assert re.match(r"\d{3}\.\d+", p.min_driver), cid
+            assert p.python_source == "deadsnakes"
+    text = images.format_plan(list(plans.values()))
+    for p in plans.values():
+        assert p.tags[0] in text and p.build_base in text and f"~{p.expected_size_gb} GB" in text
+
+
+def test_source_built_flash_attn_is_pinned_and_arch_bounded(plans):
+    built = [p for p in plans.values() if p.flash_attn_source == "source"]
+    assert built, "the matrix has a cell that builds flash-attn from source"
+    for p in built:
+        assert re.fullmatch(r"[0-9a-f]{64}", p.build_args["FLASH_ATTN_SDIST_SHA256"])
+        assert p.build_args["GPU_ARCHS"] == ";".join(p.gpu_archs)
+        assert int(p.build_args["MAX_JOBS"]) >= 1
+
+
+def test_labels(plans):
+    p = plans[CPU]
+    lock = ROOT / "requirements" / "locks" / f"{CPU}.txt"
+    assert p.labels["nsa.lock.sha256"] == hashlib.sha256(lock.read_bytes()).hexdigest()
+    assert p.labels["nsa.cell"] == CPU
+    assert p.labels["nsa.torch"] == "2.13.0+cpu"
+    assert p.labels["nsa.cuda"] == "none"
+    assert p.labels["nsa.triton"] == images.parse_lock(lock.read_text())["triton"]
+    assert p.labels["org.opencontainers.image.revision"] == SHA
+    assert p.labels["org.opencontainers.image.created"] == DATE
+    assert p.labels["org.opencontainers.image.source"].startswith("https://")
+    for cid, q in plans.items():
+        for key in ("nsa.torch", "nsa.cuda", "nsa.triton", "nsa.flash-attn", "nsa.lock.sha256"):
+            assert q.labels[key], f"{cid}: empty label {key}"
+
+
+def test_edited_lock_gives_another_lock_label(tmp_path, matrix):
+    cell = _cell(matrix, CPU)
+    (tmp_path / "requirements" / "locks").mkdir(parents=True)
+    lock = tmp_path / "requirements" / "locks" / f"{CPU}.txt"
+    shutil.copy(ROOT / "requirements" / "locks" / f"{CPU}.txt", lock)
+    kw = dict(root=tmp_path, rev=SHA, date=DATE)
+    before = images.make_plan(cell, matrix[1], **kw)
+    again = images.make_plan(cell, matrix[1], **kw)
+    assert before.labels == again.labels and before.build_args == again.build_args
+    text = lock.read_text()
+    assert "einops==" in text
+    lock.write_text(re.sub(r"einops==\S+", "einops==0.0.1", text, count=1))
+    after = images.make_plan(cell, matrix[1], **kw)
+    assert after.labels["nsa.lock.sha256"] != before.labels["nsa.lock.sha256"]
+    assert after.build_args["LOCK_SHA256"] == after.labels["nsa.lock.sha256"]
+    # and the image built from it would be found out by the installed-set check
+    problems = images.check_installed(
+        text,
+        "\n".join(f"{n}=={v}" for n, v in images.parse_lock(lock.read_text()).items()) + "\nnsa==0.1.0\npip==25.0\n",
+    )
+    assert problems == [f"einops: installed 0.0.1, lock {images.parse_lock(text)['einops']}"]
+
+
+def test_missing_lock_cannot_be_built(tmp_path, matrix):
+    plan = images.make_plan(_cell(matrix, CPU), matrix[1], root=tmp_path, rev=SHA, date=DATE)
+    assert plan.lock_sha256 == ""
+    with pytest.raises(images.ImageError, match="no lock"):
+        images.build_command(plan, offline=True)
+
+
+@needs_docker_dir
+def test_build_command(plans):
+    p = plans[CPU]
+    cmd = images.build_command(p, offline=True)
+    assert cmd[cmd.index("--network") + 1] == "none"
+    assert cmd[cmd.index("-f") + 1] == "docker/Dockerfile" and cmd[-1] == "."
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "-t"] == list(p.tags)
+    online = images.build_command(p, offline=False)
+    assert online[online.index("--network") + 1] == "host"
+
+
+@needs_docker_dir
+def test_every_build_arg_is_declared_in_the_dockerfile(plans):
+    declared = set(re.findall(r"^ARG\s+([A-Z_][A-Z0-9_]*)", (ROOT / "docker" / "Dockerfile").read_text(), re.M))
+    for cid, p in plans.items():
+        unknown = set(p.build_args) - declared
+        assert not unknown, f"{cid}: build args the Dockerfile does not declare: {unknown}"
+
+
+@needs_docker_dir
+def test_plan_agrees_with_the_workflow_build_args(matrix, plans):
+    gh_matrix = pytest.importorskip("ci.gh_matrix")
+    for cell in matrix[0]:
+        theirs = gh_matrix.build_args(cell, ROOT / "docker" / "Dockerfile")
+        ours = plans[cell["id"]].build_args
+        for key in ("CELL", "PYTHON", "BUILD_BASE", "RUNTIME_BASE", "LOCK_SHA256", "CUDA_VERSION", "GPU_ARCHS"):
+            if key in theirs:
+                assert ours[key] == theirs[key], f"{cell['id']}: {key}"
+
+
+@needs_docker_dir
+def test_dockerignore_lets_through_what_the_dockerfile_copies():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for script in sorted(set(re.findall(r"(docker/[\w.]+\.(?:sh|py))", dockerfile))):
+        assert f"!{script}" in ignore, f"{script} is COPYed but excluded by .dockerignore"
+    assert "!docker/wheelhouse/" in ignore and ignore[0].strip() == "*" or "*" in ignore
+
+
+@needs_docker_dir
+def test_hadolint_ignores_are_justified():
+    lines = (ROOT / ".hadolint.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*-\s*(DL\d{4}|SC\d{4})\b(.*)", line)
+        if m:
+            assert "#" in m[2] or (i and lines[i - 1].strip().startswith("#")), f"{m[1]} ignored without a reason"
+
+
+def test_parse_lock_url_wheel_and_extras():
+    text = (
+        "torch==2.8.0 \\\n    --hash=sha256:aa\n"
+        "flash-attn @ https://x/v2.8.3/flash_attn-2.8.3%2Bcu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl \\\n"
+        "    --hash=sha256:bb\n"
+        "Typing_Extensions[x]==4.1 \\\n    --hash=sha256:cc\n# comment==1\n"
+    )
+    assert images.parse_lock(text) == {
+        "torch": "2.8.0",
+        "flash-attn": "2.8.3+cu12torch2.8cxx11abiTRUE",
+        "typing-extensions": "4.1",
+    }
+
+
+def test_check_installed_finds_missing_extra_and_wrong():
+    lock = "a==1 \\\n  --hash=sha256:x\nb-c==2 \\\n  --hash=sha256:y\n"
+    assert images.check_installed(lock, "a==1\nb_c==2\nnsa==0.1.0\npip==24\n") == []
+    problems = images.check_installed(lock, "a==1.1\nzz==3\npip==24\n")
+    assert "a: installed 1.1, lock 1" in problems
+    assert "b-c==2 is in the lock but not installed" in problems
+    assert "zz==3 is installed but not in the lock" in problems
+    assert "this project (nsa) is not installed" in problems
+
+
+def test_check_labels_finds_differences(plans):
+    p = plans[CPU]
+    assert images.check_labels(p, dict(p.labels)) == []
+    wrong = {**p.labels, "nsa.lock.sha256": "0" * 64, "org.opencontainers.image.created": "yesterday"}
+    wrong.pop("nsa.triton")
+    problems = images.check_labels(p, wrong)
+    assert any("nsa.lock.sha256" in x for x in problems)
+    assert any("nsa.triton" in x for x in problems)
+    assert any("RFC 3339" in x for x in problems)
+
+
+@needs_docker_dir
+def test_localize_lock(tmp_path):
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        import localize_lock
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    name = "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"
+    url = f"https://h/x/{name.replace('+', '%2B')}"
+    lock = f"torch==2.8.0 \\\n    --hash=sha256:aa\nflash-attn @ {url} \\\n    --hash=sha256:bb\n"
+    with pytest.raises(SystemExit, match="not in the wheelhouse"):
+        localize_lock.localize(lock, tmp_path)
+    (tmp_path / name).write_bytes(b"")
+    out = localize_lock.localize(lock, tmp_path)
+    assert f"{tmp_path / name} \\\n    --hash=sha256:bb" in out and out.startswith("torch==2.8.0 \\")
+
+
+def test_cli_plan_json_runs():
+    res = subprocess.run(
+        [sys.executable, "-m", "ci.images", "plan", CPU, "--json", "--registry", "r"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert f'"r/nsa:{CPU}"' in res.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ci.images", "plan", "no-such-cell"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "unknown cell" in bad.stderr

@@ -131,13 +131,18 @@ def _triton_facts() -> dict[str, Any]:
 
     version = _dist_version("triton")
     mod, why = _import("triton") if version else (None, "triton is not installed")
-    return {
+    facts = {
         "installed": version is not None,
         "version": version,
         "imports": mod is not None,
         "error": None if mod is not None else why,
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
     }
+    if mod is not None:  # NSA's own selection kernel module (nsa.kernels.triton.selection) imports too
+        from nsa.kernels.triton import available
+
+        facts["sel_kernel_imports"], facts["sel_kernel_error"] = available()
+    return facts
 
 
 def _flash_facts() -> dict[str, Any]:
@@ -282,10 +287,13 @@ def _triton_sel(report: dict[str, Any], sm: float | None) -> tuple[bool, str]:
     tr = report["triton"]
     if not tr.get("imports"):
         return False, tr.get("error") or "triton does not import"
+    if tr.get("sel_kernel_imports") is False:  # absent in reports made before the kernel existed
+        return False, tr.get("sel_kernel_error") or "nsa.kernels.triton.selection does not import"
     forced = report.get("env", {}).get("NSA_TRITON_SEL_FORCE") == "1"
     if sm is None:
         if tr.get("interpreter"):
-            return True, f"triton {tr['version']} interpreter on CPU (TRITON_INTERPRET=1; slow, for tests)"
+            return True, (f"triton {tr['version']} interpreter on CPU (TRITON_INTERPRET=1; slow, tests only: "
+                          "auto keeps sel on torch on CPU, NSA_SEL_BACKEND=triton_sel forces it)")
         return (
             False,
             "no CUDA GPU; TRITON_INTERPRET=1 runs the kernel in Triton's CPU interpreter (tests only)",

@@ -41,6 +41,19 @@ def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
     return val
 
 
+SEL_BACKENDS = ("auto", "torch", "triton_sel")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    val = raw.strip().lower()
+    if val not in choices:
+        raise NSAInputError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return val
+
+
 @dataclass(frozen=True)
 class Toggles:
     use_fa2: bool = True  # NSA_USE_FA2: 0 turns off both FA-2 providers (flash_attn, torch_flash)
@@ -54,6 +67,11 @@ class Toggles:
     pref_fp16: bool | None = None  # NSA_FA2_PREF_FP16: None = fp32 falls back; 1 = cast to fp16; 0 = to bf16
     debug_timing: bool = False  # NSA_DEBUG_TIMING: synchronized per-(branch, backend) time buckets
     sdpa_chunk: int | None = None  # NSA_SDPA_CHUNK: queries per chunk of the sdpa provider
+    use_triton_sel: bool = True  # NSA_USE_TRITON_SEL: 0 keeps the selection branch on torch
+    triton_sel_force: bool = False  # NSA_TRITON_SEL_FORCE: override the Ada (sm 8.9) default-off policy
+    sel_allow_grad: bool = True  # NSA_SEL_TRITON_ALLOW_GRAD: 0 keeps sel on torch when gradients are needed
+    sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.kernels.triton.DEFAULT_MIN_L)
+    sel_backend: str = "auto"  # NSA_SEL_BACKEND: auto | torch | triton_sel (triton_sel = forced)
 
     def fa2_enabled(self, branch: str) -> bool:
         if not self.use_fa2:
@@ -80,6 +98,11 @@ def read() -> Toggles:
         pref_fp16=pref,
         debug_timing=env_bool("NSA_DEBUG_TIMING", False),
         sdpa_chunk=env_int("NSA_SDPA_CHUNK", None, minimum=1),
+        use_triton_sel=env_bool("NSA_USE_TRITON_SEL", True),
+        triton_sel_force=env_bool("NSA_TRITON_SEL_FORCE", False),
+        sel_allow_grad=env_bool("NSA_SEL_TRITON_ALLOW_GRAD", True),
+        sel_min_len=env_int("NSA_SEL_TRITON_MIN_L", None),
+        sel_backend=env_choice("NSA_SEL_BACKEND", SEL_BACKENDS, "auto"),
     )
     if t.force_varlen and t.force_dense:
         raise NSAInputError("NSA_FA2_FORCE_VARLEN=1 and NSA_FA2_FORCE_DENSE=1 contradict each other: set one")

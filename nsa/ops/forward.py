@@ -5,6 +5,11 @@ T/d blocks, the selected branch gathers n*l' tokens per query and KV head, the s
 chunk + w - 1 keys, so time and memory grow as T * (T/d + n*l' + w), never as a dense [T, T] tensor.
 With autograd on, each chunk is recomputed in the backward (activation checkpointing) so the saved
 state stays at one chunk's size.
+
+When a fast provider serves the selected branch (`providers.sel`, the Triton kernel), the chunk loop
+computes the block indices and the cmp + win part of the output per chunk (no torch selected branch),
+then one provider call over the whole T produces o_sel from all the indices, and the output is
+`partial + g_sel * o_sel`. Without it, every chunk runs the torch selected branch as before.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class BranchProviders:
 
     cmp: Callable | None = None
     win: Callable | None = None
+    # sel(q, k, v, indices [B, T, Hkv, n] int32, layout, cfg, scale) -> o_sel [B, T, Hq, Dv] (whole T)
+    sel: Callable | None = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,8 +71,12 @@ def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: N
 
 
 def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scale, fixed_indices,
-           o_cmp_full, lse_cmp_full, o_win_full, need_indices):
-    """One chunk of queries [c0, c1). Returns (out [B, C, Hq, Dv], indices [B, C, Hkv, n] or None)."""
+           o_cmp_full, lse_cmp_full, o_win_full, need_indices, sel_deferred=False):
+    """One chunk of queries [c0, c1). Returns (out [B, C, Hq, Dv], indices [B, C, Hkv, n] or None).
+
+    sel_deferred: the selected branch is served later over the whole T: return the cmp + win part in the
+    compute dtype (no cast) and always the indices.
+    """
     B, _, Hq, Dk = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -97,7 +108,7 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
             scores = branches.selection_scores(p_cmp.detach(), layout.cmp_local[:, :n_vis],
                                                layout.n_sel_blocks, cfg)
             indices = branches.top_n_blocks(scores, pos, cfg)
-    o_sel = branches.selected_branch(qc, k, v, indices, pos, seq_start, cfg, scale)
+    o_sel = None if sel_deferred else branches.selected_branch(qc, k, v, indices, pos, seq_start, cfg, scale)
 
     if o_win_full is None:
         k0 = max(0, c0 - cfg.window + 1)
@@ -108,6 +119,8 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
         o_win = o_win_full[:, c0:c1].to(ct).unflatten(2, (Hkv, G))
 
     g = gates[:, c0:c1].to(ct)
+    if sel_deferred:
+        return g[..., 0:1] * o_cmp.flatten(2, 3) + g[..., 2:3] * o_win.flatten(2, 3), indices
     out = (g[..., 0:1] * o_cmp.flatten(2, 3) + g[..., 1:2] * o_sel.flatten(2, 3)
            + g[..., 2:3] * o_win.flatten(2, 3))
     return out.to(q.dtype), (indices if need_indices else None)
@@ -140,6 +153,7 @@ def nsa_forward_torch(q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_c
     # scatter-add of K/V gradients accumulate in fp32 rather than in bf16.
     k_cmp_ct, v_cmp_ct = k_cmp.to(ct), v_cmp.to(ct)
     shared_win = k_win is k and v_win is v
+    k_sel, v_sel = k, v  # the selected branch's K/V in the storage dtype (a fast sel provider reads these)
     k, v = k.to(ct), v.to(ct)
     k_win, v_win = (k, v) if shared_win else (k_win.to(ct), v_win.to(ct))
 
@@ -157,11 +171,12 @@ def nsa_forward_torch(q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_c
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if use_checkpoint is None:
         use_checkpoint = grad and T > chunk
+    sel_deferred = providers is not None and providers.sel is not None
     outs, idxs = [], []
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         args = (c0, c1, q, k, v, gates, k_cmp_ct, v_cmp_ct, k_win, v_win, layout, cfg, scale, fixed,
-                o_cmp_full, lse_cmp_full, o_win_full, need_indices)
+                o_cmp_full, lse_cmp_full, o_win_full, need_indices, sel_deferred)
         if use_checkpoint and grad:
             o, idx = checkpoint(_chunk, *args, use_reentrant=False)
         else:
@@ -169,6 +184,11 @@ def nsa_forward_torch(q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_c
         outs.append(o)
         idxs.append(idx)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if sel_deferred:  # one fast-provider call over the whole T with every chunk's indices
+        idx_all = (torch.cat(idxs, dim=1) if len(idxs) > 1 else idxs[0]).to(torch.int32)
+        o_sel = providers.sel(q, k_sel, v_sel, idx_all, layout, cfg, scale)
+        out = (out + gates[..., 1:2].to(ct) * o_sel.to(ct)).to(q.dtype)
+        return out, (idx_all if need_indices else None)
     indices = None
     if need_indices:
         indices = torch.cat(idxs, dim=1).to(torch.int32) if len(idxs) > 1 else idxs[0].to(torch.int32)

@@ -1,0 +1,282 @@
+"""The Triton selection kernel in Triton's CPU interpreter (TRITON_INTERPRET=1), vs the torch selected branch.
+
+Tiny shapes (the interpreter is slow): fp32, forward and gradients, G in {1, 2, 4} (and G over one row
+tile), Dk != Dv, -1 padding, empty rows, blocks longer than one tile, packed input with an empty
+sequence; then the integration (nsa_attention with the sel branch on the kernel vs backend="torch") and
+the routing (guards, toggles, telemetry). Skipped with the reason when triton does not import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
+# Triton picks interpreter or compiler when a kernel is decorated: set it before the kernel module loads.
+if "nsa.kernels.triton.selection" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from nsa.kernels.triton import selection
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"nsa.kernels.triton.selection does not import: {e}", allow_module_level=True)
+if "Interpreted" not in type(selection._sel_fwd_kernel).__name__:
+    pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+
+from nsa import telemetry  # noqa: E402
+from nsa.backends import router  # noqa: E402
+from nsa.config import NSAConfig  # noqa: E402
+from nsa.functional import nsa_attention  # noqa: E402
+from nsa.kernels.triton.reference import selected_attention_torch  # noqa: E402
+from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
+from nsa.validation import NSAInputError  # noqa: E402
+
+SEL_ENV = ("NSA_USE_TRITON_SEL", "NSA_TRITON_SEL_FORCE", "NSA_SEL_TRITON_ALLOW_GRAD", "NSA_SEL_TRITON_MIN_L",
+           "NSA_SEL_BACKEND")
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for var in SEL_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    telemetry.reset()
+    prov = router.SEL_PROVIDER
+    saved = (prov.capability, prov.allow_cpu)
+    yield
+    prov.capability, prov.allow_cpu = saved
+
+
+def random_indices(gen, seq_start, B, T, H, n, ls, pad_prob=0.3):
+    """Ascending, -1 padded, distinct candidate blocks j <= pos // ls of each token."""
+    idx = torch.full((B, T, H, n), -1, dtype=torch.long)
+    for b in range(B):
+        for t in range(T):
+            pos = t - int(seq_start[b, t])
+            for h in range(H):
+                c = torch.randperm(pos // ls + 1, generator=gen)[:n]
+                keep = c[torch.rand(len(c), generator=gen) > pad_prob]
+                idx[b, t, h, : len(keep)] = keep.sort().values
+    return idx
+
+
+def inputs(gen, B, T, Hkv, G, Dk, Dv, dtype=torch.float32):
+    q = torch.randn(B, T, Hkv * G, Dk, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(B, T, Hkv, Dk, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(B, T, Hkv, Dv, generator=gen, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def compare(q, k, v, idx, seq_start, ls, gen, tol=2e-5):
+    got = selected_attention_triton(q, k, v, idx, seq_start, ls)
+    want = selected_attention_torch(q, k, v, idx, seq_start, ls)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    go = torch.randn(got.shape, generator=gen, dtype=got.dtype)
+    ga = torch.autograd.grad(got, (q, k, v), go)
+    gb = torch.autograd.grad(want, (q, k, v), go)
+    for name, a, b in zip("qkv", ga, gb):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, n=name: f"d{n}: {m}")
+    return got
+
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+@pytest.mark.parametrize("Dk,Dv", [(16, 16), (24, 8)])
+def test_kernel_matches_torch_dense(gen, G, Dk, Dv):
+    B, T, Hkv, ls, n = 2, 37, 2, 8, 3
+    q, k, v = inputs(gen, B, T, Hkv, G, Dk, Dv)
+    ss = torch.zeros(B, T, dtype=torch.long)
+    idx = random_indices(gen, ss, B, T, Hkv, n, ls)
+    idx[0, 5] = -1  # a row with no block at all: output 0, gradient 0
+    out = compare(q, k, v, idx, ss, ls, gen)
+    assert (out[0, 5] == 0).all()
+
+
+def test_future_blocks_and_unsorted_user_indices(gen):
+    """User-given indices may name blocks after the query (fully masked) and need not be sorted."""
+    B, T, Hkv, G, ls = 1, 33, 1, 2, 8
+    q, k, v = inputs(gen, B, T, Hkv, G, 16, 16)
+    ss = torch.zeros(B, T, dtype=torch.long)
+    idx = torch.tensor([3, 0, 1], dtype=torch.long).expand(B, T, Hkv, 3).contiguous()
+    compare(q, k, v, idx, ss, ls, gen)
+
+
+def test_block_longer_than_one_tile(gen, monkeypatch):
+    """l' = 24 with 16-token sub-tiles: two tiles per block, the second one half masked."""
+    monkeypatch.setattr(selection, "MAX_BLOCK_N", 16)
+    B, T, Hkv, G, ls = 1, 40, 1, 2, 24
+    q, k, v = inputs(gen, B, T, Hkv, G, 16, 8)
+    ss = torch.zeros(B, T, dtype=torch.long)
+    compare(q, k, v, random_indices(gen, ss, B, T, Hkv, 2, ls, pad_prob=0.0), ss, ls, gen)
+
+
+def test_group_over_several_row_tiles(gen, monkeypatch):
+    monkeypatch.setattr(selection, "MAX_BLOCK_G", 16)
+    B, T, Hkv, G, ls = 1, 20, 1, 20, 8
+    q, k, v = inputs(gen, B, T, Hkv, G, 16, 16)
+    ss = torch.zeros(B, T, dtype=torch.long)
+    compare(q, k, v, random_indices(gen, ss, B, T, Hkv, 2, ls), ss, ls, gen)
+
+
+def test_packed_with_empty_sequence(gen):
+    cu = [0, 13, 13, 40]
+    T = cu[-1]
+    ss = torch.zeros(1, T, dtype=torch.long)
+    for a, b in zip(cu, cu[1:]):
+        ss[0, a:b] = a
+    q, k, v = inputs(gen, 1, T, 2, 2, 16, 8)
+    compare(q, k, v, random_indices(gen, ss, 1, T, 2, 3, 8), ss, 8, gen)
+
+
+def test_non_contiguous_inputs(gen):
+    B, T, Hkv, G, ls = 1, 24, 2, 2, 8
+    qkv = torch.randn(B, T, Hkv * G + 2 * Hkv, 16, generator=gen)
+    q = qkv[:, :, : Hkv * G].detach().requires_grad_()
+    kv = torch.randn(B, T, Hkv, 32, generator=gen)
+    k, v = kv[..., :16].detach().requires_grad_(), kv[..., 16:].detach().requires_grad_()
+    q2 = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    ss = torch.zeros(B, T, dtype=torch.long)
+    idx = random_indices(gen, ss, B, T, Hkv, 2, ls)
+    compare(q2.detach().requires_grad_(), k, v, idx, ss, ls, gen)
+
+
+def test_empty_inputs():
+    q = torch.randn(1, 0, 2, 16)
+    k = torch.randn(1, 0, 1, 16)
+    out = selected_attention_triton(q, k, k, torch.zeros(1, 0, 1, 2, dtype=torch.long), None, 8)
+    assert out.shape == (1, 0, 2, 16)
+
+
+# --- integration: nsa_attention with the sel branch on the kernel ---------------------------------------
+
+CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=3, n_init=1, n_local=1, window=8)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_nsa_attention_sel_on_triton_matches_torch(gen, monkeypatch, packed):
+    B, T, Hq, Hkv, Dk, Dv = (1, 30, 4, 2, 16, 8) if packed else (2, 26, 4, 2, 16, 8)
+    q, k, v = inputs(gen, B, T, Hkv, Hq // Hkv, Dk, Dv)
+    g = torch.rand(B, T, Hq, 3, generator=gen).requires_grad_()
+    cu = torch.tensor([0, 11, 11, 30], dtype=torch.int32) if packed else None
+    want, i_want = nsa_attention(q, k, v, g, CFG, backend="torch", cu_seqlens=cu, return_indices=True,
+                                 chunk_size=7)
+    monkeypatch.setenv("NSA_SEL_BACKEND", "triton_sel")
+    telemetry.reset()
+    got, i_got = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, return_indices=True, chunk_size=7)
+    assert telemetry.served("sel") == {"triton": 1}
+    assert torch.equal(i_got, i_want)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    go = torch.randn(got.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_fixed_block_indices_through_triton(gen, monkeypatch):
+    B, T, Hq, Hkv = 1, 24, 2, 1
+    q, k, v = inputs(gen, B, T, Hkv, Hq // Hkv, 16, 16)
+    g = torch.rand(B, T, Hq, 3, generator=gen)
+    idx = random_indices(gen, torch.zeros(B, T, dtype=torch.long), B, T, Hkv, 3, 8).to(torch.int32)
+    want = nsa_attention(q, k, v, g, CFG, backend="torch", block_indices=idx)
+    monkeypatch.setenv("NSA_SEL_BACKEND", "triton_sel")
+    got = nsa_attention(q, k, v, g, CFG, block_indices=idx)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# --- routing ---------------------------------------------------------------------------------------------
+
+
+def counts():
+    return {(r["branch"], r["backend"], r["reason"]): r["calls"] for r in telemetry.snapshot()["counts"]}
+
+
+def small(gen, dtype=torch.float32, grad=False):
+    q = torch.randn(1, 20, 2, 16, generator=gen, dtype=dtype)
+    k = torch.randn(1, 20, 1, 16, generator=gen, dtype=dtype)
+    v = torch.randn(1, 20, 1, 16, generator=gen, dtype=dtype)
+    if grad:
+        q.requires_grad_()
+    return q, k, v, torch.rand(1, 20, 2, 3, generator=gen, dtype=dtype)
+
+
+def test_auto_on_cpu_keeps_sel_on_torch(gen):
+    q, k, v, g = small(gen)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts()[("sel", "torch", "ok")] == 1
+
+
+def test_backend_torch_keeps_everything_torch(gen, monkeypatch):
+    monkeypatch.setenv("NSA_SEL_BACKEND", "triton_sel")
+    q, k, v, g = small(gen)
+    nsa_attention(q, k, v, g, CFG, backend="torch")
+    assert counts()[("sel", "torch", "forced")] == 1 and telemetry.served("sel") == {"torch": 1}
+
+
+def test_forced_without_interpreter_raises(gen, monkeypatch):
+    monkeypatch.setenv("NSA_SEL_BACKEND", "triton_sel")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, g = small(gen)
+    with pytest.raises(NSAInputError, match="TRITON_INTERPRET=1"):
+        nsa_attention(q, k, v, g, CFG)
+
+
+def test_bad_sel_backend_value(gen, monkeypatch):
+    monkeypatch.setenv("NSA_SEL_BACKEND", "cuda")
+    q, k, v, g = small(gen)
+    with pytest.raises(NSAInputError, match="NSA_SEL_BACKEND"):
+        nsa_attention(q, k, v, g, CFG)
+
+
+def test_sel_backend_torch_toggle(gen, monkeypatch):
+    router.SEL_PROVIDER.allow_cpu = True
+    monkeypatch.setenv("NSA_SEL_BACKEND", "torch")
+    q, k, v, g = small(gen)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts()[("sel", "torch", "forced")] == 1
+
+
+@pytest.mark.parametrize(
+    "env,cap,dtype,grad,reason",
+    [
+        ({}, (9, 0), torch.float32, False, "below_min_len"),  # default min length 1024
+        ({"NSA_SEL_TRITON_MIN_L": "1", "NSA_USE_TRITON_SEL": "0"}, (9, 0), torch.float32, False, "disabled"),
+        ({"NSA_SEL_TRITON_MIN_L": "1"}, (8, 9), torch.float32, False, "ada_policy"),
+        ({"NSA_SEL_TRITON_MIN_L": "1"}, (7, 5), torch.float32, False, "sm_unsupported"),
+        ({"NSA_SEL_TRITON_MIN_L": "1"}, (9, 0), torch.float64, False, "dtype"),
+        ({"NSA_SEL_TRITON_MIN_L": "1", "NSA_SEL_TRITON_ALLOW_GRAD": "0"}, (9, 0), torch.float32, True, "grad"),
+    ],
+)
+def test_guards_fall_back_with_reason(gen, monkeypatch, env, cap, dtype, grad, reason):
+    prov = router.SEL_PROVIDER
+    prov.allow_cpu, prov.capability = True, cap
+    for key, val in env.items():
+        monkeypatch.setenv(key, val)
+    q, k, v, g = small(gen, dtype, grad)
+    nsa_attention(q, k, v, g, CFG)
+    assert counts()[("sel", "torch", reason)] == 1
+    assert telemetry.snapshot()["fallbacks"] >= 1
+
+
+def test_auto_routes_to_triton_when_guards_pass(gen, monkeypatch):
+    prov = router.SEL_PROVIDER
+    prov.allow_cpu, prov.capability = True, (8, 9)
+    monkeypatch.setenv("NSA_SEL_TRITON_MIN_L", "1")
+    monkeypatch.setenv("NSA_TRITON_SEL_FORCE", "1")  # Ada policy overridden
+    q, k, v, g = small(gen, grad=True)
+    want = nsa_attention(q, k, v, g, CFG, backend="torch")
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG)
+    assert counts()[("sel", "triton", "ok")] == 1
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_forced_raises_on_guard_failure(gen, monkeypatch):
+    monkeypatch.setenv("NSA_SEL_BACKEND", "triton_sel")
+    q, k, v, g = small(gen, torch.float64)
+    with pytest.raises(NSAInputError, match="dtype"):
+        nsa_attention(q, k, v, g, CFG)

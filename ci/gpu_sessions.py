@@ -433,7 +433,11 @@ def nox_entry(session, name: str) -> None:
         install_cell(session)
         python = str(Path(session.virtualenv.bin) / "python")
     env = dict(os.environ)
-    env.update(session.env or {})
+    for key, value in (session.env or {}).items():  # nox marks variables to unset with None
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     if not passthrough:
         env["PATH"] = os.pathsep.join([session.virtualenv.bin, env.get("PATH", "")])
         env["VIRTUAL_ENV"] = session.virtualenv.location

@@ -53,7 +53,9 @@ def assert_fa2_served(provider, branches=("cmp", "win"), forced=False):
     for b in branches:
         served = telemetry.served(b)
         assert set(served) == {provider}, f"{b} served by {served}, want only {provider}: {snap['counts']}"
-    assert snap["fallbacks"] == 0, snap["counts"]
+    # Zero fallbacks on the branches under test (the sel branch has its own routing and thresholds).
+    fallbacks = [r for r in snap["counts"] if r["branch"] in branches and not telemetry.is_normal(r["reason"])]
+    assert not fallbacks, snap["counts"]
 
 
 def run(q, k, v, g, cfg, backend, **kw):

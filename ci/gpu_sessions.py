@@ -291,11 +291,18 @@ def known_flags(args: list[str], help_text: str) -> list[str]:
     return out
 
 
+TABLE_RULE_CHARS = "└┌├┏┡┗━─┃"
+
+
 def _summary_lines(tail: list[str]) -> list[str]:
+    """Headline lines of a bench's output: its `summary:` lines, else its last informative lines (no table
+    rules, no "wrote FILE" lines), with this checkout's path removed so summaries can be committed."""
     marked = [ln.split("summary:", 1)[1].strip() for ln in tail if ln.lstrip().startswith("summary:")]
-    if marked:
-        return marked[:12]
-    return [ln.strip() for ln in tail if ln.strip() and not ln.startswith("[exit")][-3:]
+    if not marked:
+        marked = [ln.strip() for ln in tail
+                  if ln.strip() and not ln.startswith("[exit") and not ln.lstrip().startswith("wrote ")
+                  and ln.strip()[0] not in TABLE_RULE_CHARS][-3:]
+    return [ln.replace(f"{ROOT}/", "") for ln in marked[:12]]
 
 
 def run_bench(ctx: Ctx) -> bool:

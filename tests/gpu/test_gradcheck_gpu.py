@@ -62,7 +62,8 @@ def test_gradcheck_cuda_fp64(gen, cfg, T, Hq, Hkv, cu, fixed, chunk, fast):
 
     out = f(q, k, v, g)
     assert out.device.type == torch.device(DEVICE).type and out.dtype == torch.float64
-    ref = nsa_reference(*(x.detach().cpu() for x in (q, k, v, g)), cfg, cu_seqlens=cu_t.cpu() if cu_t is not None else None,
+    cpu_inputs = (x.detach().cpu() for x in (q, k, v, g))
+    ref = nsa_reference(*cpu_inputs, cfg, cu_seqlens=cu_t.cpu() if cu_t is not None else None,
                         block_indices=idx.cpu() if idx is not None else None)
     assert float((out.detach().cpu() - ref.out).abs().max()) <= 1e-10 * float(ref.out.abs().max())
     assert torch.autograd.gradcheck(f, (q, k, v, g), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=fast)

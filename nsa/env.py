@@ -181,9 +181,10 @@ def _sdpa_facts() -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """The full report (see `python -m nsa.env --json`)."""
-    from nsa.kernels.flash_wrappers import torch_flash_varlen_status
+    from nsa.kernels.flash_wrappers import torch_flash_status, torch_flash_varlen_status
 
     tf_ok, tf_why = torch_flash_varlen_status()
+    op_ok, op_why = torch_flash_status()
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "python": {
@@ -202,6 +203,8 @@ def collect() -> dict[str, Any]:
         "triton": _triton_facts(),
         "flash_attn": _flash_facts(),
         "torch_flash_varlen": {"available": tf_ok, "reason": tf_why},
+        # What the torch_flash backend calls (nsa/backends/torch_flash.py).
+        "torch_flash_op": {"available": op_ok, "reason": op_why},
         "sdpa": _sdpa_facts(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
     }
@@ -275,7 +278,7 @@ def backend_availability(report: dict[str, Any] | None = None) -> dict[str, tupl
         out["sdpa"] = (True, f"torch scaled_dot_product_attention on {where}")
     else:
         out["sdpa"] = (False, f"torch {t['version']} has no scaled_dot_product_attention")
-    tf = report["torch_flash_varlen"]
+    tf = report.get("torch_flash_op") or report["torch_flash_varlen"]
     out["torch_flash"] = (bool(tf["available"]), tf["reason"])
     fa = report["flash_attn"]
     out["flash_attn"] = (bool(fa.get("varlen_runnable")), fa.get("varlen_reason") or fa.get("error") or "")

@@ -16,14 +16,6 @@ from ..kernels import flash_wrappers
 from .base import Fa2Provider
 
 
-def _op_available() -> tuple[bool, str]:
-    try:
-        torch.ops.aten._flash_attention_forward  # noqa: B018 - resolving the op is the probe
-    except (AttributeError, RuntimeError) as e:
-        return False, f"torch {torch.__version__} has no aten._flash_attention_forward ({e})"
-    return True, ""
-
-
 class TorchFlashProvider(Fa2Provider):
     name = "torch_flash"
 
@@ -35,20 +27,11 @@ class TorchFlashProvider(Fa2Provider):
     def availability(self, device, forced):
         if self.available_override is not None:
             return self.available_override
-        ok, why = _op_available()
-        if not ok:
-            return ok, why
         if self.kernel is not None:
             return True, "injected kernel"
         if device.type != "cuda":
             return False, f"torch_flash runs on CUDA tensors, got {device}"
-        ok, why = flash_wrappers.cuda_device_status()
-        if not ok:
-            return ok, why
-        built = getattr(torch.backends.cuda, "is_flash_attention_available", None)
-        if built is not None and not built():
-            return False, f"torch {torch.__version__} was built without its FlashAttention kernels"
-        return True, f"torch {torch.__version__} aten._flash_attention_forward"
+        return flash_wrappers.torch_flash_status()
 
     def _attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         op = self.kernel or torch.ops.aten._flash_attention_forward

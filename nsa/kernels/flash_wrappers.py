@@ -65,20 +65,37 @@ def flash_attn_status(varlen: bool = False) -> tuple[bool, str]:
     return True, f"flash_attn {getattr(mod, '__version__', '?')} {entry}"
 
 
-def torch_flash_varlen_status() -> tuple[bool, str]:
-    """PyTorch's built-in FA-2 varlen kernel (torch >= 2.10): (can run here, reason)."""
-    mod, why = _import("torch.nn.attention.varlen")
-    torch, _ = _import("torch")
+def _torch_flash_kernels_status(torch, entry: str) -> tuple[bool, str]:
+    """A CUDA GPU is usable and this torch was built with its FlashAttention kernels."""
     version = getattr(torch, "__version__", "?")
-    if mod is None or not hasattr(mod, "varlen_attn"):
-        return False, f"torch {version} has no torch.nn.attention.varlen.varlen_attn"
     ok, why = cuda_device_status()
     if not ok:
         return False, why
     built = getattr(torch.backends.cuda, "is_flash_attention_available", None)
     if built is not None and not built():
         return False, f"torch {version} was built without its FlashAttention kernels"
-    return True, f"torch {version} varlen_attn"
+    return True, f"torch {version} {entry}"
+
+
+def torch_flash_varlen_status() -> tuple[bool, str]:
+    """PyTorch's built-in FA-2 varlen kernel (torch >= 2.10): (can run here, reason)."""
+    mod, why = _import("torch.nn.attention.varlen")
+    torch, _ = _import("torch")
+    if mod is None or not hasattr(mod, "varlen_attn"):
+        return False, f"torch {getattr(torch, '__version__', '?')} has no torch.nn.attention.varlen.varlen_attn"
+    return _torch_flash_kernels_status(torch, "varlen_attn")
+
+
+def torch_flash_status() -> tuple[bool, str]:
+    """The entry point the `torch_flash` backend calls, aten._flash_attention_forward: (can run here, reason)."""
+    torch, why = _import("torch")
+    if torch is None:
+        return False, why
+    try:
+        torch.ops.aten._flash_attention_forward  # noqa: B018 - resolving the op is the probe
+    except (AttributeError, RuntimeError) as e:
+        return False, f"torch {torch.__version__} has no aten._flash_attention_forward ({e})"
+    return _torch_flash_kernels_status(torch, "aten._flash_attention_forward")
 
 
 def is_flash_available() -> bool:

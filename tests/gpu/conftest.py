@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from triton_sel_helpers import SEL_ENV  # tests/gpu is on sys.path (rootdir conftest)
 
 from nsa import telemetry
 
@@ -57,5 +58,15 @@ def fa2_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NSA_FA2_MIN_LEN_WIN", "1")
     monkeypatch.setenv("NSA_FA2_MIN_LEN_CMP", "1")
+    telemetry.reset()
+    yield monkeypatch
+
+
+@pytest.fixture
+def sel_env(monkeypatch):
+    """A clean selection-toggle environment; small test shapes must still take the kernel."""
+    for var in SEL_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NSA_SEL_TRITON_MIN_L", "1")
     telemetry.reset()
     yield monkeypatch

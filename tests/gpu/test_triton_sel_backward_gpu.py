@@ -7,40 +7,17 @@ Run: python3 -m pytest -m gpu tests/gpu/test_triton_sel_backward_gpu.py (skipped
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from triton_sel_helpers import MARKS, PAPER, SMALL, err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"),
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-]
+pytestmark = MARKS
 
-from nsa import NSAConfig, nsa_attention, nsa_reference, telemetry  # noqa: E402
+from nsa import nsa_attention, nsa_reference, telemetry  # noqa: E402
 from nsa.ops import branches  # noqa: E402
 
-PAPER = NSAConfig()
-SMALL = NSAConfig(block_cmp=32, stride_cmp=16, block_sel=64, n_sel=4, n_init=1, n_local=2, window=64)
 # max |got - want| / max(1, max |want|); gradients of bf16 sums over many selecting queries are looser
 TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}
-SEL_ENV = ("NSA_USE_TRITON_SEL", "NSA_TRITON_SEL_FORCE", "NSA_SEL_TRITON_ALLOW_GRAD", "NSA_SEL_TRITON_MIN_L",
-           "NSA_SEL_BACKEND", "TRITON_INTERPRET")
-
-
-@pytest.fixture(autouse=True)
-def sel_env(monkeypatch):
-    for var in SEL_ENV:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NSA_SEL_TRITON_MIN_L", "1")
-    telemetry.reset()
-    yield monkeypatch
-
-
-def err(got, want):
-    got, want = got.detach().double(), want.detach().double().to(got.device)
-    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() if want.numel() else 0.0
 
 
 def leaf(gen, *shape, dtype):

@@ -1,0 +1,27 @@
+"""Shared by the Triton selection GPU tests: markers, configs, the toggle fixture and the error measure."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from nsa import NSAConfig
+
+MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.usefixtures("sel_env"),  # tests/gpu/conftest.py
+]
+PAPER = NSAConfig()
+SMALL = NSAConfig(block_cmp=32, stride_cmp=16, block_sel=64, n_sel=4, n_init=1, n_local=2, window=64)
+SEL_ENV = ("NSA_USE_TRITON_SEL", "NSA_TRITON_SEL_FORCE", "NSA_SEL_TRITON_ALLOW_GRAD", "NSA_SEL_TRITON_MIN_L",
+           "NSA_SEL_BACKEND", "TRITON_INTERPRET")
+
+
+def err(got, want):
+    """max |got - want| / max(1, max |want|)."""
+    got, want = got.detach().double(), want.detach().double().to(got.device)
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() if want.numel() else 0.0

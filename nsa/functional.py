@@ -2,7 +2,8 @@
 
 `backend="auto"` routes the compressed and sliding branches, each on its own, to the first available
 provider whose guards pass: flash_attn -> torch_flash -> sdpa -> torch (nsa.backends.router,
-docs/backends.md); the selection branch runs on torch. `backend="torch"` forces the vectorized PyTorch
+docs/backends.md); the selection branch goes to the Triton kernel on CUDA when its guards pass
+(nsa.kernels.triton, NSA_USE_TRITON_SEL / NSA_SEL_BACKEND), else torch. `backend="torch"` forces the vectorized PyTorch
 path, `backend="reference"` the float64 oracle, "flash_attn" / "torch_flash" / "sdpa" that provider for
 cmp and win. Forcing a backend that cannot run is an NSAInputError naming the reason, never a silent
 fallback. Every decision is counted in nsa.telemetry.

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_sel_helpers import MARKS, PAPER, SMALL, err
+from triton_sel_helpers import MARKS, PAPER, SMALL, err, topn_indices
 
 pytestmark = MARKS
 
 from nsa import nsa_attention, nsa_reference, telemetry  # noqa: E402
-from nsa.ops import branches  # noqa: E402
 
 # max |got - want| / max(1, max |want|); gradients of bf16 sums over many selecting queries are looser
 TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}
@@ -22,13 +21,6 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}
 
 def leaf(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to("cuda", dtype).requires_grad_()
-
-
-def topn_indices(gen, seq_start, Hkv, cfg):
-    B, T = seq_start.shape
-    pos = torch.arange(T, device="cuda")[None] - seq_start
-    scores = torch.rand(B, T, Hkv, cfg.n_sel_blocks(T), generator=gen).to("cuda")
-    return branches.top_n_blocks(scores, pos, cfg).to(torch.int32)
 
 
 def grads_kernel_vs_fp64(gen, q, k, v, idx, ss, cfg, chunk=256):

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from triton_sel_helpers import MARKS, PAPER, SMALL, err
+from triton_sel_helpers import MARKS, PAPER, SMALL, err, topn_indices
 
 pytestmark = MARKS
 
@@ -31,15 +31,6 @@ def seq_start_of(lengths, device="cuda"):
     for a, b in zip(cu, cu[1:]):
         ss[0, a:b] = a
     return ss.to(device), torch.tensor(cu, dtype=torch.int32, device=device)
-
-
-def topn_indices(gen, seq_start, Hkv, cfg, device="cuda"):
-    """Valid indices as the top-n step makes them (forced blocks included) from random scores."""
-    B, T = seq_start.shape
-    pos = torch.arange(T, device=device)[None] - seq_start
-    J = cfg.n_sel_blocks(T)
-    scores = torch.rand(B, T, Hkv, J, generator=gen).to(device)
-    return branches.top_n_blocks(scores, pos, cfg).to(torch.int32)
 
 
 def sel_ref(q, k, v, idx, seq_start, cfg, chunk=256):

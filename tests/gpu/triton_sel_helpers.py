@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nsa import NSAConfig
+from nsa.ops import branches
 
 MARKS = [
     pytest.mark.gpu,
@@ -25,3 +26,11 @@ def err(got, want):
     """max |got - want| / max(1, max |want|)."""
     got, want = got.detach().double(), want.detach().double().to(got.device)
     return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() if want.numel() else 0.0
+
+
+def topn_indices(gen, seq_start, Hkv, cfg, device="cuda"):
+    """Valid indices as the top-n step makes them (forced blocks included) from random scores."""
+    B, T = seq_start.shape
+    pos = torch.arange(T, device=device)[None] - seq_start
+    scores = torch.rand(B, T, Hkv, cfg.n_sel_blocks(T), generator=gen).to(device)
+    return branches.top_n_blocks(scores, pos, cfg).to(torch.int32)

@@ -13,7 +13,7 @@ same values). Columns (ms are medians):
   step_ms         nsa_decode (cache write + the three branches + gating) on precomputed q/k/v/gates
   layer_step_ms   the whole NSAAttention layer for one token (projections, RoPE, step, output projection)
   tok_per_s       B / step time (attention alone)
-  cmp_ms, topk_ms, sel_ms, win_ms   each branch alone on the same cache state (nsa.ops.branches):
+  cmp_ms, topk_ms, sel_ms, win_ms   each branch alone on the same cache state (nsa.branches.*.naive):
                   compressed branch; selection scores + top-n; selected branch with those blocks; window
   kv_bytes*       K/V bytes the step reads, counted from the cache by nsa_decode(return_stats=True)
   dense_*         dense decode: write the token into a preallocated [B, Hkv, S+1, D] K/V cache and run
@@ -49,8 +49,10 @@ from nsa.benchutil import (  # noqa: E402
     write_csv,
     write_json,
 )
-from nsa.ops import branches  # noqa: E402
-from nsa.ops.forward import compute_dtype  # noqa: E402
+from nsa.branches.attend import compute_dtype  # noqa: E402
+from nsa.branches.compressed.naive import compressed_chunk  # noqa: E402
+from nsa.branches.selected.naive import selected_chunk, topn_chunk  # noqa: E402
+from nsa.branches.sliding.naive import sliding_chunk  # noqa: E402
 
 MODES = ("env", "cmp", "sel", "win", "all")
 COLUMNS = [
@@ -165,24 +167,26 @@ def bench_one(S, args, device, dtype, meta_modes):
         starts = (torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n)
         valid = torch.ones(B, n, dtype=torch.bool, device=device)
 
-        def run_cmp():
-            return branches.compressed_branch(qc, cache.k_cmp[:, :n].to(ct), cache.v_cmp[:, :n].to(ct), starts,
-                                              valid, t_glob, seq_start, cfg, scale)
+        k_cmp = cache.k_cmp[:, :n].to(ct)
 
-        _, p_cmp = run_cmp()
+        def run_cmp():
+            return compressed_chunk(qc, k_cmp, cache.v_cmp[:, :n].to(ct), starts, valid, t_glob, seq_start, cfg,
+                                    scale)
+
+        _, lse = run_cmp()
 
         def run_topk():
-            scores = branches.selection_scores(p_cmp, starts, cfg.n_sel_blocks(t + 1), cfg)
-            return branches.top_n_blocks(scores, p_t, cfg)
+            return topn_chunk(qc, k_cmp, lse, starts, starts, valid, t_glob, seq_start, cfg.n_sel_blocks(t + 1),
+                              cfg, scale)
 
         indices = run_topk()
 
         def run_sel():
-            return branches.selected_branch(qc, cache.k_sel, cache.v_sel, indices, p_t, seq_start, cfg, scale)
+            return selected_chunk(qc, cache.k_sel, cache.v_sel, indices, p_t, seq_start, cfg, scale)
 
         def run_win():
-            return branches.sliding_branch(qc, cache.k_win.to(ct), cache.v_win.to(ct), cache.win_pos, t_glob,
-                                           seq_start, cfg, scale)
+            return sliding_chunk(qc, cache.k_win.to(ct), cache.v_win.to(ct), cache.win_pos, t_glob, seq_start, cfg,
+                                 scale)
 
         mode = args.branch_force_mode
         wanted = {"cmp": ("cmp",), "sel": ("sel",), "win": ("win",)}.get(mode, ("cmp", "sel", "win"))

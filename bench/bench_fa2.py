@@ -25,36 +25,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nsa import NSAConfig  # noqa: E402
-from nsa.backends import router, toggles  # noqa: E402
-from nsa.backends.base import CallContext  # noqa: E402
-from nsa.backends.guards import gpu_class  # noqa: E402
+from nsa import (  # noqa: E402
+    NSAConfig,  # noqa: E402
+    plan,
+    toggles,
+)
 from nsa.benchutil import env_metadata, time_fn, write_csv, write_json  # noqa: E402
-from nsa.ops import branches  # noqa: E402
-from nsa.ops.forward import compress_kv  # noqa: E402
-from nsa.ops.layout import dense_layout  # noqa: E402
+from nsa.branches.compressed.fa2 import compressed_fa2  # noqa: E402
+from nsa.branches.compressed.naive import compressed_attention  # noqa: E402
+from nsa.branches.compressed.sdpa import compressed_sdpa  # noqa: E402
+from nsa.branches.sliding.fa2 import sliding_fa2  # noqa: E402
+from nsa.branches.sliding.naive import sliding_attention  # noqa: E402
+from nsa.branches.sliding.sdpa import sliding_sdpa  # noqa: E402
+from nsa.compress import compress_kv  # noqa: E402
+from nsa.kernels.fa2.base import CallContext  # noqa: E402
+from nsa.kernels.fa2.guards import gpu_class  # noqa: E402
+from nsa.layout import dense_layout  # noqa: E402
+from nsa.validation import Shapes  # noqa: E402
 
 TORCH_PATH_MAX_T = 16384
 
 
 def torch_path(branch, q, k, v, kc, vc, layout, cfg, scale, chunk=2048):
-    T, Hq, Hkv = q.shape[1], q.shape[2], k.shape[2]
-    outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        t = torch.arange(c0, c1, device=q.device)
-        qc = q[:, c0:c1].float().unflatten(2, (Hkv, Hq // Hkv))
-        if branch == "cmp":
-            n = layout.cmp_visible_bound(c1, cfg)
-            o, _ = branches.compressed_branch(qc, kc[:, :n].float(), vc[:, :n].float(), layout.cmp_start[:, :n],
-                                              layout.cmp_valid[:, :n], t, layout.seq_start[:, c0:c1], cfg, scale)
-        else:
-            k0 = max(0, c0 - cfg.window + 1)
-            o = branches.sliding_branch(qc, k[:, k0:c1].float(), v[:, k0:c1].float(),
-                                        torch.arange(k0, c1, device=q.device), t, layout.seq_start[:, c0:c1], cfg,
-                                        scale)
-        outs.append(o)
-    return torch.cat(outs, 1)
+    if branch == "cmp":
+        return compressed_attention(q, kc, vc, layout, cfg, scale, chunk=chunk)[0]
+    return sliding_attention(q, k, v, layout, cfg, scale, chunk=chunk)
 
 
 def derive(rows, providers):
@@ -106,11 +101,10 @@ def main(argv=None):
         print("bench_fa2: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    providers = [n for n in ("flash_attn", "torch_flash") if router.PROVIDERS[n].availability(dev, True)[0]]
+    providers = [n for n in ("flash_attn", "torch_flash") if plan.PROVIDERS[n].availability(dev, True)[0]]
     if not providers:
         print("bench_fa2: no FA-2 provider available", file=sys.stderr)
         return 2
-    sdpa = router.PROVIDERS["sdpa"]
     cfg = NSAConfig()
     tg = toggles.read()
     Ts = [int(x) for x in args.T.split(",")]
@@ -130,22 +124,25 @@ def main(argv=None):
             v = torch.randn(1, T, args.Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
             layout = dense_layout(1, T, cfg, dev)
             kc, vc = compress_kv(k, v, layout, cfg)
-            ctx = CallContext(1, T, args.Hq, args.Hkv, D, D, q.dtype, dev, False)
+            ctx = CallContext(Shapes(1, T, args.Hq, args.Hkv, D, D), q.dtype, dev, False)
             scale = D ** -0.5
             with torch.no_grad():
                 for branch in ("cmp", "win"):
                     a = (q, kc, vc) if branch == "cmp" else (q, k, v)
 
                     def call(p, a=a, branch=branch):
-                        return getattr(p, branch)(*a, layout, cfg, scale, ctx, tg)
+                        fn = compressed_fa2 if branch == "cmp" else sliding_fa2
+                        return fn(p, ctx, tg, *a, layout, cfg, scale)
 
-                    sd = time_fn(lambda: call(sdpa), args.iters, args.warmup, dev)["median_ms"]
+                    sdpa_fn = compressed_sdpa if branch == "cmp" else sliding_sdpa
+                    sd = time_fn(lambda f=sdpa_fn, a=a: f(tg, *a, layout, cfg, scale), args.iters, args.warmup,
+                                 dev)["median_ms"]
                     tp = None
                     if T <= TORCH_PATH_MAX_T:
                         tp = time_fn(lambda b=branch: torch_path(b, q, k, v, kc, vc, layout, cfg, scale), 2, 1,
                                      dev)["median_ms"]
                     for pname in providers:
-                        fa = time_fn(lambda p=router.PROVIDERS[pname]: call(p), args.iters, args.warmup,
+                        fa = time_fn(lambda p=plan.PROVIDERS[pname]: call(p), args.iters, args.warmup,
                                      dev)["median_ms"]
                         rows.append(dict(provider=pname, branch=branch, T=T, D=D, Hq=args.Hq, Hkv=args.Hkv,
                                          fa2_ms=round(fa, 4), sdpa_ms=round(sd, 4),

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nsa import NSAConfig  # noqa: E402
 from nsa.benchutil import env_metadata, time_fn, write_csv, write_json  # noqa: E402
-from nsa.ops import branches  # noqa: E402
+from nsa.branches.selected.naive import selected_attention, top_n_blocks  # noqa: E402
+from nsa.layout import dense_layout  # noqa: E402
 
 SHAPES = {"D128": (64, 4, 128, 128), "Dk192Dv128": (64, 4, 192, 128)}
 
@@ -40,7 +41,7 @@ def make_indices(T, Hkv, cfg, device, chunk=8192):
         c1 = min(T, c0 + chunk)
         pos = torch.arange(c0, c1, device=device)[None]
         scores = torch.rand(1, c1 - c0, Hkv, J, device=device, generator=g)
-        out[:, c0:c1] = branches.top_n_blocks(scores, pos, cfg).to(torch.int32)
+        out[:, c0:c1] = top_n_blocks(scores, pos, cfg).to(torch.int32)
     return out
 
 
@@ -67,7 +68,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_sel_triton needs a CUDA GPU")
-    from nsa.kernels.triton.reference import selected_attention_torch
     from nsa.kernels.triton.selection import selected_attention_triton
 
     dev = torch.device("cuda")
@@ -101,8 +101,9 @@ def main(argv=None):
                 q, k, v, idx, ss, cfg, scale)}
             if T <= args.torch_max_T:
                 chunk = max(16, (1 << 31) // (Hkv * cfg.n_sel * ls * (Dk + Dv) * 4 + Hq * cfg.n_sel * ls * 8))
-                impls["torch_sel"] = lambda q=q, k=k, v=v, idx=idx, ss=ss, scale=scale, chunk=chunk: (
-                    selected_attention_torch(q, k, v, idx, ss, cfg, scale, chunk=chunk))
+                lay = dense_layout(1, T, cfg, dev)
+                impls["torch_sel"] = lambda q=q, k=k, v=v, idx=idx, lay=lay, scale=scale, chunk=chunk: (
+                    selected_attention(q, k, v, idx, lay, cfg, scale, chunk=chunk))
             if not args.no_dense:
                 qt = q.detach().transpose(1, 2).requires_grad_()
                 kt = k.detach().transpose(1, 2).requires_grad_()

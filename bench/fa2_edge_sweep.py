@@ -14,13 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("NSA_FA2_MIN_LEN_WIN", "1")
 os.environ.setdefault("NSA_FA2_MIN_LEN_CMP", "1")
 
-from nsa import NSAConfig, nsa_attention, telemetry  # noqa: E402
-from nsa.backends import router  # noqa: E402
+from nsa import (  # noqa: E402
+    NSAConfig,
+    nsa_attention,
+    plan,  # noqa: E402
+    telemetry,
+)
 
 
 def main() -> int:
     dev = torch.device("cuda")
-    provs = [n for n in ("flash_attn", "torch_flash") if router.PROVIDERS[n].availability(dev, True)[0]]
+    provs = [n for n in ("flash_attn", "torch_flash") if plan.PROVIDERS[n].availability(dev, True)[0]]
     cfg = NSAConfig(block_cmp=32, stride_cmp=16, block_sel=64, n_sel=4, window=48)
     cases = [  # (lengths or None, B, T, Hq, Hkv, Dk, Dv)
         (None, 1, 1, 4, 1, 64, 64), (None, 2, 31, 4, 2, 64, 64), (None, 1, 33, 8, 1, 128, 128),

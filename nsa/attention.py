@@ -80,7 +80,7 @@ class NSAAttention(nn.Module):
 
     def _cache_env_vars(self) -> None:
         """Kept for the seeds' runbook, which calls it to refresh flags: there is nothing to refresh here,
-        every NSA_* toggle is read at call time (nsa.backends.toggles)."""
+        every NSA_* toggle is read at call time (nsa.toggles)."""
 
     def compress_fn(self):
         return (self.phi_k, self.phi_v) if self.config.compress == "mlp" else None

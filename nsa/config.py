@@ -1,7 +1,7 @@
 """NSAConfig: the typed, validated configuration of one NSA attention layer.
 
 The fields and their rules follow docs/semantics.md (paper defaults). Environment toggles never live
-here: they are read at call time by nsa.backends.toggles and mapped onto a routing decision.
+here: they are read at call time by nsa.toggles and mapped onto the plan of each call (nsa.plan).
 """
 
 from __future__ import annotations

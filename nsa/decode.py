@@ -1,6 +1,6 @@
 """One decode step: the new token's NSA output from the cache, equal to the prefill output at that position.
 
-The step runs the same branch functions as prefill (nsa.ops.branches) on a chunk of one query whose
+The step runs the same per-chunk branch functions as prefill (nsa.branches.*.naive) on a chunk of one query whose
 keys come from the cache: all completed compressed blocks, the selected blocks of the raw K/V, and the
 window ring. Nothing is concatenated over the history.
 """
@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from . import telemetry
+from .branches.attend import compute_dtype
+from .branches.compressed.naive import compressed_chunk
+from .branches.selected.naive import selected_chunk, topn_chunk
+from .branches.sliding.naive import sliding_chunk
 from .cache import NSACache
 from .config import NSAConfig
-from .ops import branches
-from .ops.forward import compute_dtype
 from .validation import NSAInputError, check_qkv
 
 
@@ -47,14 +49,14 @@ def nsa_decode(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None,
 
     n = cache.n_cmp
     starts = (torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n)
-    o_cmp, p_cmp = branches.compressed_branch(
-        qc, cache.k_cmp[:, :n].to(ct), cache.v_cmp[:, :n].to(ct), starts,
-        torch.ones(B, n, dtype=torch.bool, device=device), t_glob, seq_start, cfg, scale)
-    scores = branches.selection_scores(p_cmp, starts, cfg.n_sel_blocks(t + 1), cfg)
-    indices = branches.top_n_blocks(scores, pos, cfg)
-    o_sel = branches.selected_branch(qc, cache.k_sel, cache.v_sel, indices, pos, seq_start, cfg, scale)
-    o_win = branches.sliding_branch(qc, cache.k_win.to(ct), cache.v_win.to(ct), cache.win_pos, t_glob,
-                                    seq_start, cfg, scale)
+    valid = torch.ones(B, n, dtype=torch.bool, device=device)
+    k_cmp = cache.k_cmp[:, :n].to(ct)
+    o_cmp, lse = compressed_chunk(qc, k_cmp, cache.v_cmp[:, :n].to(ct), starts, valid, t_glob, seq_start, cfg, scale)
+    indices = topn_chunk(qc, k_cmp, lse, starts, starts, valid, t_glob, seq_start, cfg.n_sel_blocks(t + 1), cfg,
+                         scale)
+    o_sel = selected_chunk(qc, cache.k_sel, cache.v_sel, indices, pos, seq_start, cfg, scale)
+    o_win = sliding_chunk(qc, cache.k_win.to(ct), cache.v_win.to(ct), cache.win_pos, t_glob, seq_start, cfg,
+                          scale)
     for branch in ("cmp", "sel", "win"):
         telemetry.record(branch, "torch", "decode")
     g = gates.to(ct)

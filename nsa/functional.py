@@ -1,21 +1,20 @@
-"""nsa_attention: the functional API over every backend.
+"""nsa_attention: the functional API. Validate the inputs, plan once (nsa.plan), run the plan (nsa.pipeline).
 
-`backend="auto"` routes the compressed and sliding branches, each on its own, to the first available
-provider whose guards pass: flash_attn -> torch_flash -> sdpa -> torch (nsa.backends.router,
-docs/backends.md); the selection branch goes to the Triton kernel on CUDA when its guards pass
-(nsa.kernels.triton, NSA_USE_TRITON_SEL / NSA_SEL_BACKEND), else torch. `backend="torch"` forces the vectorized PyTorch
-path, `backend="reference"` the float64 oracle, "flash_attn" / "torch_flash" / "sdpa" that provider for
-cmp and win. Forcing a backend that cannot run is an NSAInputError naming the reason, never a silent
-fallback. Every decision is counted in nsa.telemetry.
+`backend="auto"`: every step goes to the fastest implementation that can serve it here: on a GPU the
+fused pipeline (compressed and sliding branches on FlashAttention-2, top-n and selected attention on
+NSA's Triton kernels); elsewhere the chunked PyTorch path. `backend="torch"` forces the PyTorch path,
+`backend="reference"` the float64 oracle, "flash_attn" / "torch_flash" / "sdpa" that provider for the
+compressed and sliding branches. Forcing something that cannot run is an NSAInputError naming the
+reason, never a silent fallback. Every decision is counted in nsa.telemetry (docs/backends.md).
 """
 
 from __future__ import annotations
 
 from . import telemetry
-from .backends import BACKENDS
 from .config import NSAConfig
-from .ops.forward import nsa_forward_torch
-from .ops.layout import dense_layout, packed_layout
+from .layout import dense_layout, packed_layout
+from .pipeline import run
+from .plan import BACKENDS, make_plan
 from .validation import NSAInputError, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
 
 
@@ -31,7 +30,7 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
     return_indices: also return the selected blocks [B, T, Hkv, n_sel] int32 (ascending, -1 padded).
     kv_cmp / kv_win: (k, v) for the compressed / sliding branches when they have their own projections
     (k, v then serve the selected branch). compress_fn: (phi_k, phi_v) for config.compress == "mlp".
-    chunk_size: queries per chunk in the torch backend (default: sized from a memory budget).
+    chunk_size: queries per chunk of the chunked PyTorch path (default: sized from a memory budget).
     Returns out [B, T, Hq, Dv] in q's dtype (and the indices when asked).
     """
     if not isinstance(config, NSAConfig):
@@ -53,27 +52,22 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
-    if backend == "reference":
+    plan = make_plan(backend, q, k, v, config, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=cu_seqlens,
+                     host_cu=host_cu, given_indices=block_indices is not None)
+    if plan.executor == "reference":
         from .reference import nsa_reference
 
         res = nsa_reference(q, k, v, gates, config, cu_seqlens=cu_seqlens, block_indices=block_indices,
                             kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn)
-        for branch in ("cmp", "sel", "win"):
-            telemetry.record(branch, "reference", "forced")
         out = res.out.to(q.device, q.dtype)
         return (out, res.indices.to(q.device)) if return_indices else out
 
     layout = (packed_layout(cu_seqlens, shapes.T, config) if cu_seqlens is not None
               else dense_layout(shapes.B, shapes.T, config, q.device))
-    providers = None
-    if backend == "torch":
-        for branch in ("cmp", "sel", "win"):
-            telemetry.record(branch, "torch", "forced")
-    else:
-        from .backends.router import route
-
-        providers = route(backend, q, k, v, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=cu_seqlens, host_cu=host_cu)
-    out, indices = nsa_forward_torch(q, k, v, gates, config, layout, kv_cmp=kv_cmp, kv_win=kv_win,
-                                     compress_fn=compress_fn, block_indices=block_indices,
-                                     need_indices=return_indices, chunk=chunk_size, providers=providers)
+    out, indices = run(plan, q, k, v, gates, config, layout, kv_cmp=kv_cmp, kv_win=kv_win,
+                       compress_fn=compress_fn, block_indices=block_indices, need_indices=return_indices,
+                       chunk=chunk_size)
     return (out, indices) if return_indices else out
+
+
+__all__ = ["nsa_attention", "BACKENDS", "telemetry"]

@@ -25,14 +25,25 @@ class NSAOutput(NamedTuple):
     indices: torch.Tensor  # [B, T, Hkv, n_sel] int32, ascending, padded with -1
 
 
-def masked_softmax_attention(q, k, v, mask, scale):
+def exact_logits(q, k):
+    """q [H, Tq, D], k [H, Tk, D] -> q.k [H, Tq, Tk] as an elementwise product summed over D: the same
+    operations for every (query, key), so equal keys give bitwise-equal logits wherever they sit (a
+    batched matmul rounds by tile position). The top-n tie rule relies on it."""
+    H, Tq, D = q.shape
+    Tk = k.shape[1]
+    step = max(1, (1 << 24) // max(1, H * Tq * D))
+    return torch.cat([(q[:, :, None, :] * k[:, None, j:j + step, :]).sum(-1) for j in range(0, Tk, step)], dim=-1)
+
+
+def masked_softmax_attention(q, k, v, mask, scale, exact=False):
     """q [H, Tq, D], k/v [H, Tk, D] (already per query head), mask [H or 1, Tq, Tk] bool.
 
     Rows with no visible key output exactly 0. Returns (out [H, Tq, Dv], probabilities [H, Tq, Tk]).
+    exact: logits by exact_logits (the compressed branch, whose probabilities rank the blocks).
     """
     if k.shape[1] == 0:  # no keys at all (e.g. T < block_cmp): every row is empty
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), q.new_zeros(q.shape[0], q.shape[1], 0)
-    logits = torch.einsum("hqd,hkd->hqk", q, k) * scale
+    logits = (exact_logits(q, k) if exact else torch.einsum("hqd,hkd->hqk", q, k)) * scale
     logits = logits.masked_fill(~mask, float("-inf"))
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -81,16 +92,20 @@ def _one_sequence(q, k, v, g, cfg, kv_cmp, kv_win, phi, fixed_indices):
     cmp_end = torch.arange(n_cmp) * d + l - 1
     cmp_mask = (cmp_end[None, :] <= t_idx[:, None])[None]  # [1, T, T_cmp]
     o_cmp, p_cmp = masked_softmax_attention(
-        qh, k_c.permute(1, 0, 2)[head_kv], v_c.permute(1, 0, 2)[head_kv], cmp_mask, scale
+        qh, k_c.permute(1, 0, 2)[head_kv], v_c.permute(1, 0, 2)[head_kv], cmp_mask, scale, exact=True
     )
 
     # 2. Selection scores: sum over the group's heads and over compressed blocks overlapping block j.
+    #    Heads first, then the overlapping blocks one at a time in order of position (fixed order: equal
+    #    probabilities give bitwise-equal scores). Block i = j*l'/d - c + o, o in [0, l'/d + c), overlaps j.
     n_blocks = cfg.n_sel_blocks(T)
-    cmp_start = torch.arange(n_cmp) * d
-    sel_start = torch.arange(n_blocks) * ls
-    overlap = ((cmp_start[:, None] < sel_start[None, :] + ls) & (cmp_start[:, None] + l > sel_start[None, :]))
-    scores = torch.einsum("htc,cj->htj", p_cmp, overlap.to(p_cmp.dtype))  # [Hq, T, n_blocks]
-    scores = scores.reshape(Hkv, G, T, n_blocks).sum(dim=1)  # [Hkv, T, n_blocks]
+    p_group = p_cmp.reshape(Hkv, G, T, n_cmp).sum(dim=1)  # [Hkv, T, T_cmp]
+    r, c = ls // d, l // d - 1
+    scores = p_group.new_zeros(Hkv, T, n_blocks)
+    for j in range(n_blocks):
+        for i in range(j * r - c, j * r + r):
+            if 0 <= i < n_cmp:
+                scores[:, :, j] += p_group[:, :, i]
 
     # 3. Top-n (or the given indices) -> 4. selected-branch mask [Hkv, T, T].
     sel_mask = torch.zeros(Hkv, T, T, dtype=torch.bool)

@@ -1,15 +1,16 @@
-"""Fixtures of the backend tests: emulated FA-2 providers installed into the router (CPU, fp64)."""
+"""Fixtures of the backend tests: emulated FA-2 providers installed into the planner (CPU, fp64)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nsa import telemetry
-from nsa.backends import emulate, router
-from nsa.backends.flash_attn_provider import FlashAttnProvider
-from nsa.backends.sdpa import SdpaProvider
-from nsa.backends.torch_flash import TorchFlashProvider
+from nsa import plan, telemetry
+from nsa.kernels.fa2.flash_attn import FlashAttnProvider
+from nsa.kernels.fa2.torch_flash import TorchFlashProvider
+from nsa.kernels.sdpa import SdpaProvider
+
+from . import fa2_emulation as emulate
 
 ENV = ("NSA_USE_FA2", "NSA_USE_FA2_WIN", "NSA_USE_FA2_CMP", "NSA_FA2_MIN_LEN_WIN", "NSA_FA2_MIN_LEN_CMP",
        "NSA_FA2_FORCE", "NSA_FA2_FORCE_VARLEN", "NSA_FA2_FORCE_DENSE", "NSA_FA2_PREF_FP16", "NSA_DEBUG_TIMING",
@@ -38,7 +39,7 @@ def fakes(clean_env):
     """All three providers available on CPU: flash_attn and torch_flash emulated, sdpa real."""
     provs = {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"), "sdpa": SdpaProvider()}
     provs["sdpa"].available_override = (True, "test")
-    clean_env.setattr(router, "PROVIDERS", provs)
+    clean_env.setattr(plan, "PROVIDERS", provs)
     clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
     clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
     return provs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nsa import NSAInputError, nsa_attention, telemetry
-from nsa.backends import guards
-from nsa.backends.base import last_dim_contiguous
-from nsa.backends.toggles import Toggles
+from nsa.kernels.fa2 import guards
+from nsa.kernels.fa2.base import last_dim_contiguous
+from nsa.toggles import Toggles
 
 from . import backend_fakes
 from .helpers import SMALL, make_inputs

@@ -1,15 +1,15 @@
 """Per-branch routing (flash_attn -> torch_flash -> sdpa -> torch), its telemetry, forcing, and the FA-2
 providers' math (compressed-branch group folding, window, varlen, head-dim padding) against the torch
-path through emulated kernels (nsa.backends.emulate), exactly in fp64."""
+path through emulated kernels (tests/cpu/fa2_emulation.py), exactly in fp64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nsa import NSAAttention, NSAInputError, nsa_attention, telemetry
-from nsa.backends import router
-from nsa.backends.fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o, varlen_lse_2d
+from nsa import NSAAttention, NSAInputError, nsa_attention, plan, telemetry
+from nsa.branches.compressed.fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
+from nsa.kernels.fa2.flash_attn import varlen_lse_2d
 
 from . import backend_fakes
 from .helpers import SMALL, make_inputs
@@ -36,26 +36,31 @@ def _packed(gen, lengths, Hq, Hkv, Dk, Dv, dtype=torch.float64, requires_grad=Fa
 def test_cpu_default_routes_everything_to_torch(clean_env, gen):
     q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
     nsa_attention(q, k, v, g, CFG)
-    assert counts() == {("cmp", "torch", "ok"): 1, ("sel", "torch", "ok"): 1, ("win", "torch", "ok"): 1}
+    assert counts() == {("cmp", "torch", "ok"): 1, ("topn", "torch", "ok"): 1, ("sel", "torch", "ok"): 1,
+                        ("win", "torch", "ok"): 1}
     assert telemetry.snapshot()["fallbacks"] == 0
 
 
 def test_order_prefers_flash_attn_then_torch_flash_then_sdpa(fakes, gen):
     q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 16, 16)
     nsa_attention(q, k, v, g, CFG)
-    assert counts() == {("cmp", "flash_attn", "ok"): 1, ("win", "flash_attn", "ok"): 1, ("sel", "torch", "ok"): 1}
+    assert counts() == {("cmp", "flash_attn", "ok"): 1, ("win", "flash_attn", "ok"): 1, ("sel", "torch", "ok"): 1,
+                        ("topn", "torch", "ok"): 1}
     telemetry.reset()
     fakes["flash_attn"].available_override = (False, "not installed")
     nsa_attention(q, k, v, g, CFG)
-    assert counts() == {("cmp", "torch_flash", "ok"): 1, ("win", "torch_flash", "ok"): 1, ("sel", "torch", "ok"): 1}
+    assert counts() == {("cmp", "torch_flash", "ok"): 1, ("win", "torch_flash", "ok"): 1, ("sel", "torch", "ok"): 1,
+                        ("topn", "torch", "ok"): 1}
     telemetry.reset()
     fakes["torch_flash"].available_override = (False, "no GPU")
     nsa_attention(q, k, v, g, CFG)
-    assert counts() == {("cmp", "sdpa", "ok"): 1, ("win", "sdpa", "ok"): 1, ("sel", "torch", "ok"): 1}
+    assert counts() == {("cmp", "sdpa", "ok"): 1, ("win", "sdpa", "ok"): 1, ("sel", "torch", "ok"): 1,
+                        ("topn", "torch", "ok"): 1}
     telemetry.reset()
     fakes["sdpa"].available_override = (False, "no sdpa")
     nsa_attention(q, k, v, g, CFG)
-    assert counts() == {("cmp", "torch", "ok"): 1, ("win", "torch", "ok"): 1, ("sel", "torch", "ok"): 1}
+    assert counts() == {("cmp", "torch", "ok"): 1, ("win", "torch", "ok"): 1, ("sel", "torch", "ok"): 1,
+                        ("topn", "torch", "ok"): 1}
     assert telemetry.snapshot()["fallbacks"] == 0  # unavailability is the environment, not a fallback
 
 
@@ -265,6 +270,6 @@ def test_sdpa_matches_torch_path(clean_env, gen, dtype, tol, chunk):
     assert counts()[("cmp", "sdpa", "forced")] == 6
 
 
-def test_router_registry_is_complete():
-    assert set(router.ORDER) == set(router.PROVIDERS)
+def test_provider_registry_is_complete():
+    assert set(plan.ORDER) == set(plan.PROVIDERS)
     assert emulated("torch_flash").name == "torch_flash"

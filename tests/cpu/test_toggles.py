@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nsa import NSAInputError
-from nsa.backends import toggles
+from nsa import NSAInputError, toggles
 
 from . import backend_fakes
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,11 +28,13 @@ except Exception as e:  # noqa: BLE001
 if "Interpreted" not in type(selection._sel_fwd_kernel).__name__:
     pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
 
-from nsa import telemetry  # noqa: E402
-from nsa.backends import router  # noqa: E402
+from nsa import (
+    plan,  # noqa: E402
+    telemetry,  # noqa: E402
+)
+from nsa.branches.selected import naive  # noqa: E402
 from nsa.config import NSAConfig  # noqa: E402
 from nsa.functional import nsa_attention  # noqa: E402
-from nsa.kernels.triton.reference import selected_attention_torch  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
 from nsa.validation import NSAInputError  # noqa: E402
 
@@ -45,7 +48,7 @@ def _clean(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     telemetry.reset()
-    prov = router.SEL_PROVIDER
+    prov = plan.TRITON["sel"]
     saved = (prov.capability, prov.allow_cpu)
     yield
     prov.capability, prov.allow_cpu = saved
@@ -62,6 +65,14 @@ def random_indices(gen, seq_start, B, T, H, n, ls, pad_prob=0.3):
                 keep = c[torch.rand(len(c), generator=gen) > pad_prob]
                 idx[b, t, h, : len(keep)] = keep.sort().values
     return idx
+
+
+def selected_attention_torch(q, k, v, indices, seq_start, block_sel):
+    """The naive twin (nsa.branches.selected.naive) with the kernel entry point's arguments."""
+    B, T = q.shape[:2]
+    ss = torch.zeros(B, T, dtype=torch.long) if seq_start is None else seq_start.long().expand(B, T)
+    return naive.selected_attention(q, k, v, indices, SimpleNamespace(seq_start=ss),
+                                    SimpleNamespace(block_sel=block_sel), q.shape[-1] ** -0.5)
 
 
 def inputs(gen, B, T, Hkv, G, Dk, Dv, dtype=torch.float32):
@@ -233,7 +244,7 @@ def test_bad_sel_backend_value(gen, monkeypatch):
 
 
 def test_sel_backend_torch_toggle(gen, monkeypatch):
-    router.SEL_PROVIDER.allow_cpu = True
+    plan.TRITON["sel"].allow_cpu = True
     monkeypatch.setenv("NSA_SEL_BACKEND", "torch")
     q, k, v, g = small(gen)
     nsa_attention(q, k, v, g, CFG)
@@ -243,7 +254,7 @@ def test_sel_backend_torch_toggle(gen, monkeypatch):
 @pytest.mark.parametrize(
     "env,cap,dtype,grad,reason",
     [
-        ({}, (9, 0), torch.float32, False, "below_min_len"),  # default min length 1024
+        ({"NSA_SEL_TRITON_MIN_L": "1024"}, (9, 0), torch.float32, False, "below_min_len"),
         ({"NSA_SEL_TRITON_MIN_L": "1", "NSA_USE_TRITON_SEL": "0"}, (9, 0), torch.float32, False, "disabled"),
         ({"NSA_SEL_TRITON_MIN_L": "1"}, (8, 9), torch.float32, False, "ada_policy"),
         ({"NSA_SEL_TRITON_MIN_L": "1"}, (7, 5), torch.float32, False, "sm_unsupported"),
@@ -252,7 +263,7 @@ def test_sel_backend_torch_toggle(gen, monkeypatch):
     ],
 )
 def test_guards_fall_back_with_reason(gen, monkeypatch, env, cap, dtype, grad, reason):
-    prov = router.SEL_PROVIDER
+    prov = plan.TRITON["sel"]
     prov.allow_cpu, prov.capability = True, cap
     for key, val in env.items():
         monkeypatch.setenv(key, val)
@@ -263,7 +274,7 @@ def test_guards_fall_back_with_reason(gen, monkeypatch, env, cap, dtype, grad, r
 
 
 def test_auto_routes_to_triton_when_guards_pass(gen, monkeypatch):
-    prov = router.SEL_PROVIDER
+    prov = plan.TRITON["sel"]
     prov.allow_cpu, prov.capability = True, (8, 9)
     monkeypatch.setenv("NSA_SEL_TRITON_MIN_L", "1")
     monkeypatch.setenv("NSA_TRITON_SEL_FORCE", "1")  # Ada policy overridden

@@ -35,18 +35,18 @@ def pytest_collection_modifyitems(config, items):
 def fa2_provider_names() -> list[str]:
     if not torch.cuda.is_available():
         return ["torch_flash"]  # collected only; skipped above
-    from nsa.backends import router
+    from nsa import plan
 
     dev = torch.device("cuda")
-    names = [n for n in ("flash_attn", "torch_flash") if router.PROVIDERS[n].availability(dev, True)[0]]
+    names = [n for n in ("flash_attn", "torch_flash") if plan.PROVIDERS[n].availability(dev, True)[0]]
     return names or ["torch_flash"]  # none available: the test fails loudly (availability is asserted)
 
 
 @pytest.fixture(params=fa2_provider_names())
 def provider(request):
-    from nsa.backends import router
+    from nsa import plan
 
-    ok, why = router.PROVIDERS[request.param].availability(torch.device("cuda"), True)
+    ok, why = plan.PROVIDERS[request.param].availability(torch.device("cuda"), True)
     assert ok, f"{request.param} unavailable on this GPU machine: {why}"
     return request.param
 

@@ -7,11 +7,15 @@ import pytest
 import torch
 from fa2_gpu_helpers import PAPER, SMALL, TOL, branch_err, inputs, one_hot_gates, oracle, run
 
-from nsa.backends import router, toggles
-from nsa.backends.base import CallContext
-from nsa.ops import branches
-from nsa.ops.forward import compress_kv
-from nsa.ops.layout import dense_layout
+from nsa import plan, toggles
+from nsa.branches.compressed.fa2 import compressed_fa2
+from nsa.branches.compressed.naive import compressed_chunk
+from nsa.branches.sliding.fa2 import sliding_fa2
+from nsa.branches.sliding.naive import sliding_chunk
+from nsa.compress import compress_kv
+from nsa.kernels.fa2.base import CallContext
+from nsa.layout import dense_layout
+from nsa.validation import Shapes
 
 pytestmark = pytest.mark.usefixtures("fa2_env")
 
@@ -30,14 +34,15 @@ def test_head_dims_and_short_T(provider, gen, D, T, branch):
 
 def _ctx(q, k, v):
     B, T, Hq, Dk = q.shape
-    return CallContext(B, T, Hq, k.shape[2], Dk, v.shape[3], q.dtype, q.device, False)
+    return CallContext(Shapes(B, T, Hq, k.shape[2], Dk, v.shape[3]), q.dtype, q.device, False)
 
 
 def test_empty_rows_zero_and_lse_neg_inf(provider, gen):
     q, k, v = inputs(gen, 2, 80, 8, 2, 128, 128, torch.bfloat16)
     layout = dense_layout(2, 80, PAPER, q.device)
     kc, vc = compress_kv(k, v, layout, PAPER)
-    o, lse = router.PROVIDERS[provider].cmp(q, kc, vc, layout, PAPER, 128 ** -0.5, _ctx(q, k, v), toggles.read())
+    o, lse = compressed_fa2(plan.PROVIDERS[provider], _ctx(q, k, v), toggles.read(), q, kc, vc, layout, PAPER,
+                            128 ** -0.5)
     l = PAPER.block_cmp
     assert (o[:, : l - 1] == 0).all() and torch.isneginf(lse[:, : l - 1]).all()
     assert torch.isfinite(lse[:, l - 1:]).all()
@@ -49,23 +54,22 @@ def test_64k_forward_subset_rows(provider, gen, branch):
     q, k, v = inputs(gen, 1, T, Hq, Hkv, D, D, torch.bfloat16)
     cfg, scale = PAPER, D ** -0.5
     layout = dense_layout(1, T, cfg, q.device)
-    prov, tg = router.PROVIDERS[provider], toggles.read()
+    prov, tg = plan.PROVIDERS[provider], toggles.read()
     with torch.no_grad():
         if branch == "cmp":
             kc, vc = compress_kv(k, v, layout, cfg)
-            o, lse = prov.cmp(q, kc, vc, layout, cfg, scale, _ctx(q, k, v), tg)
+            o, lse = compressed_fa2(prov, _ctx(q, k, v), tg, q, kc, vc, layout, cfg, scale)
         else:
-            o = prov.win(q, k, v, layout, cfg, scale, _ctx(q, k, v), tg)
+            o = sliding_fa2(prov, _ctx(q, k, v), tg, q, k, v, layout, cfg, scale)
         for c0 in (0, 31, 4096, T - 700):
             c1 = c0 + 512
             t = torch.arange(c0, c1, device="cuda")
             qc = q[:, c0:c1].float().unflatten(2, (Hkv, Hq // Hkv))
             if branch == "cmp":
-                want, _ = branches.compressed_branch(qc, kc.float(), vc.float(), layout.cmp_start, layout.cmp_valid,
-                                                     t, layout.seq_start[:, c0:c1], cfg, scale)
+                want, _ = compressed_chunk(qc, kc.float(), vc.float(), layout.cmp_start, layout.cmp_valid,
+                                           t, layout.seq_start[:, c0:c1], cfg, scale)
             else:
                 k0 = max(0, c0 - cfg.window + 1)
-                want = branches.sliding_branch(qc, k[:, k0:c1].float(), v[:, k0:c1].float(),
-                                               torch.arange(k0, c1, device="cuda"), t, layout.seq_start[:, c0:c1],
-                                               cfg, scale)
+                want = sliding_chunk(qc, k[:, k0:c1].float(), v[:, k0:c1].float(),
+                                     torch.arange(k0, c1, device="cuda"), t, layout.seq_start[:, c0:c1], cfg, scale)
             assert branch_err(o[:, c0:c1], want.flatten(2, 3)) < TOL[torch.bfloat16], (branch, c0)

@@ -26,9 +26,9 @@ def test_branch_parity_dense(provider, gen, dtype, T, Hq, Hkv, Dk, Dv, branch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_full_output_and_auto_routing(provider, gen, dtype, fa2_env):
     if provider != "flash_attn":  # auto prefers flash_attn when installed
-        from nsa.backends import router
+        from nsa import plan
 
-        if router.PROVIDERS["flash_attn"].availability(torch.device("cuda"), False)[0]:
+        if plan.PROVIDERS["flash_attn"].availability(torch.device("cuda"), False)[0]:
             pytest.skip("flash_attn installed: auto routes there")
     T, Hq, Hkv = 300, 16, 2
     q, k, v = inputs(gen, 1, T, Hq, Hkv, 128, 128, dtype)

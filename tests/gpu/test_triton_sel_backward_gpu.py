@@ -24,7 +24,8 @@ def leaf(gen, *shape, dtype):
 
 
 def grads_kernel_vs_fp64(gen, q, k, v, idx, ss, cfg, chunk=256):
-    from nsa.kernels.triton.reference import selected_attention_torch
+    from triton_sel_helpers import selected_attention_torch
+
     from nsa.kernels.triton.selection import selected_attention_triton
 
     out = selected_attention_triton(q, k, v, idx, ss, cfg)

@@ -15,7 +15,7 @@ from triton_sel_helpers import MARKS, PAPER, SMALL, err, topn_indices
 pytestmark = MARKS
 
 from nsa import NSAConfig, nsa_attention, nsa_reference, telemetry  # noqa: E402
-from nsa.ops import branches  # noqa: E402
+from nsa.branches.selected.naive import selected_chunk  # noqa: E402
 
 # max |got - want| / max(1, max |want|)
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-5}
@@ -35,7 +35,7 @@ def seq_start_of(lengths, device="cuda"):
 
 def sel_ref(q, k, v, idx, seq_start, cfg, chunk=256):
     """fp64 torch selected branch (the torch backend's function) on the GPU."""
-    from nsa.kernels.triton.reference import selected_attention_torch
+    from triton_sel_helpers import selected_attention_torch
 
     return selected_attention_torch(q.double(), k.double(), v.double(), idx, seq_start, cfg, chunk=chunk)
 
@@ -115,8 +115,8 @@ def test_kernel_offsets_past_2_pow_31(gen):
     tail = slice(T - 256, T)
     pos = t[tail]
     qc = q[:, tail].double().unflatten(2, (Hkv, Hq // Hkv))
-    want = branches.selected_branch(qc, k.double(), v.double(), idx[:, tail].long(), pos[None], ss[:, tail], PAPER,
-                                    PAPER.softmax_scale(D)).flatten(2, 3)
+    want = selected_chunk(qc, k.double(), v.double(), idx[:, tail].long(), pos[None], ss[:, tail], PAPER,
+                          PAPER.softmax_scale(D)).flatten(2, 3)
     assert err(got[:, tail], want) < TOL[dtype]
     assert err(got[:, :256], sel_ref(q[:, :256], k[:, :256], v[:, :256], idx[:, :256], ss[:, :256], PAPER)) < TOL[dtype]
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nsa import NSAConfig
-from nsa.ops import branches
+from nsa.branches.selected.naive import selected_attention, top_n_blocks
 
 MARKS = [
     pytest.mark.gpu,
@@ -33,4 +34,14 @@ def topn_indices(gen, seq_start, Hkv, cfg, device="cuda"):
     B, T = seq_start.shape
     pos = torch.arange(T, device=device)[None] - seq_start
     scores = torch.rand(B, T, Hkv, cfg.n_sel_blocks(T), generator=gen).to(device)
-    return branches.top_n_blocks(scores, pos, cfg).to(torch.int32)
+    return top_n_blocks(scores, pos, cfg).to(torch.int32)
+
+
+def selected_attention_torch(q, k, v, indices, seq_start, cfg, scale=None, chunk=256):
+    """The naive twin (nsa.branches.selected.naive) with the kernel entry point's arguments."""
+    B, T = q.shape[:2]
+    ss = torch.zeros(B, T, dtype=torch.long, device=q.device) if seq_start is None else seq_start.long().expand(B, T)
+    block = cfg if isinstance(cfg, int) else cfg.block_sel
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return selected_attention(q, k, v, indices, SimpleNamespace(seq_start=ss), SimpleNamespace(block_sel=block),
+                              scale, chunk=chunk)

@@ -1,6 +1,6 @@
 """Triton kernels for NSA's selected-attention branch: forward, backward, launcher, autograd Function.
 
-Contract (same function as nsa.ops.branches.selected_branch, whole-T layout):
+Contract (same function as nsa.branches.selected.naive.selected_attention, whole-T layout):
     q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv] (any strides), indices [B, T, Hkv, n]
     (int, local selection-block ids of the token's sequence, -1 = none), seq_start [B, T] (global index
     of the first token of each token's sequence; zeros for dense input). Query (t, h) attends every token

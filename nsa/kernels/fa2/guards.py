@@ -1,6 +1,6 @@
 """Guards run before every FlashAttention-2 call: each failure is a short reason code plus a message.
 
-A failed guard never crashes a kernel: the router either raises NSAInputError (the backend was forced)
+A failed guard never crashes a kernel: planning (nsa.plan) either raises NSAInputError (the backend was forced)
 or falls back to the next provider and counts (branch, served backend, reason) in nsa.telemetry.
 
 Reason codes (docs/backends.md): disabled, not_cuda, sm_unsupported, ada_policy, dtype, head_dim,
@@ -10,42 +10,21 @@ head_dim_sm, cu_seqlens, force_dense_packed, below_min_len.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .toggles import Toggles
+from ...toggles import Toggles
+from ..device import ADA, Failure, device_capability
 
 FA2_DTYPES = (torch.float16, torch.bfloat16)
 FA2_MAX_HEAD_DIM = 256
 # flash-attn / PyTorch FA-2: the backward for head dim > 192 needs the shared memory of sm80 / sm90
 # (A100, H100); sm86 / sm87 / sm89 run the forward up to 256 but the backward only up to 192.
 SM8X_SMALL_SMEM_BWD_MAX = 192
-ADA = (8, 9)
-THRESHOLDS_FILE = Path(__file__).resolve().parent.parent / "fa2_thresholds.json"
+THRESHOLDS_FILE = Path(__file__).resolve().parents[2] / "fa2_thresholds.json"
 DEFAULT_MIN_LEN = 16
-
-
-@dataclass(frozen=True)
-class Failure:
-    reason: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {self.message}"
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@lru_cache(maxsize=16)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def check_device(device: torch.device, toggles: Toggles, capability=None) -> Failure | None:

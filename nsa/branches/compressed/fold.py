@@ -19,7 +19,7 @@ i.e. plain GQA with group size d*G, which every FA-2 kernel supports natively. T
 (one pass, with the pad rows) and of the output back.
 
 Varlen: sequence s (start c_s, length L_s) owns groups [g_s, g_s + Ng_s) and compressed slots
-[k_s, k_s + T_cmp_s) (nsa.ops.layout.packed_layout allots slots in sequence order, so the valid slots
+[k_s, k_s + T_cmp_s) (nsa.layout.packed_layout allots slots in sequence order, so the valid slots
 are the prefix of k_cmp). Token x of s goes to folded row x - c_s + 1 + g_s*d.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import NSAConfig
+from ...config import NSAConfig
 
 
 @dataclass
@@ -117,15 +117,3 @@ def unfold_lse(lse: torch.Tensor, p: FoldPlan) -> torch.Tensor:
         lse = lse.view(p.Hkv, p.d, p.G, p.n_groups).permute(3, 1, 0, 2)
         lse = lse.reshape(p.n_groups * p.d, p.Hkv * p.G).index_select(0, p.rows)[None]
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
-
-
-def varlen_lse_2d(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int) -> torch.Tensor:
-    """Normalize a varlen LSE to [H, total_q]: older flash-attn returned [n_seq, H, max_q] padded."""
-    if lse.dim() == 2:
-        return lse
-    n_seq, H, max_q = lse.shape
-    cu = cu_q.long()
-    tok = torch.arange(total_q, device=lse.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seq - 1)
-    pos = (tok - cu[seq]).clamp_(max=max_q - 1)
-    return lse[seq, :, pos].transpose(0, 1)

@@ -1,6 +1,6 @@
-"""Environment toggles of the backend router, read at CALL time (never cached at construction).
+"""Environment toggles of NSA's planning (nsa.plan), read at CALL time (never cached at construction).
 
-Every routing decision calls `read()`, so `os.environ[...] = ...` between two calls of the same module
+Every plan calls `read()`, so `os.environ[...] = ...` between two calls of the same module
 takes effect on the next call. A malformed value is an error naming the variable, never silently
 ignored. docs/backends.md has the table of every toggle with its default and meaning.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..validation import NSAInputError
+from .validation import NSAInputError
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -70,7 +70,8 @@ class Toggles:
     use_triton_sel: bool = True  # NSA_USE_TRITON_SEL: 0 keeps the selection branch on torch
     triton_sel_force: bool = False  # NSA_TRITON_SEL_FORCE: override the Ada (sm 8.9) default-off policy
     sel_allow_grad: bool = True  # NSA_SEL_TRITON_ALLOW_GRAD: 0 keeps sel on torch when gradients are needed
-    sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.kernels.triton.DEFAULT_MIN_L)
+    sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.kernels.triton.provider.DEFAULT_MIN_L)
+    use_triton_topn: bool = True  # NSA_USE_TRITON_TOPN: 0 keeps the top-n step on torch
     sel_backend: str = "auto"  # NSA_SEL_BACKEND: auto | torch | triton_sel (triton_sel = forced)
 
     def fa2_enabled(self, branch: str) -> bool:
@@ -102,6 +103,7 @@ def read() -> Toggles:
         triton_sel_force=env_bool("NSA_TRITON_SEL_FORCE", False),
         sel_allow_grad=env_bool("NSA_SEL_TRITON_ALLOW_GRAD", True),
         sel_min_len=env_int("NSA_SEL_TRITON_MIN_L", None),
+        use_triton_topn=env_bool("NSA_USE_TRITON_TOPN", True),
         sel_backend=env_choice("NSA_SEL_BACKEND", SEL_BACKENDS, "auto"),
     )
     if t.force_varlen and t.force_dense:

@@ -2,7 +2,7 @@
 
 Native GQA, window_size=(left, right), causal aligned bottom-right (flash-attn >= 2.1), LSE through
 return_attn_probs=True (dense [B, H, Tq]; varlen [H, total_q], or [n_seq, H, max_q] in flash-attn < 2.4,
-normalized by fold.varlen_lse_2d). Where a build lacks flash_attn_varlen_func, the kvpacked variant is
+normalized by varlen_lse_2d below). Where a build lacks flash_attn_varlen_func, the kvpacked variant is
 used: it needs K and V stacked ([total, 2, Hkv, D]: one copy of K/V, never one per head).
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import flash_wrappers
+from .. import flash_wrappers
 from .base import Fa2Provider
-from .fold import varlen_lse_2d
 
 
 class FlashAttnProvider(Fa2Provider):
@@ -20,8 +19,7 @@ class FlashAttnProvider(Fa2Provider):
 
     def __init__(self, module=None):
         super().__init__()
-        self.module = module  # None: import flash_attn; tests pass nsa.backends.emulate.FakeFlashAttnModule
-        self.available_override: tuple[bool, str] | None = None
+        self.module = module  # None: import flash_attn; tests pass an emulation of the module
 
     def _mod(self):
         if self.module is not None:
@@ -46,7 +44,7 @@ class FlashAttnProvider(Fa2Provider):
             return False, "flash_attn has no varlen entry point"
         return True, why
 
-    def _attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
+    def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         mod = self._mod()
         window = (-1, -1) if causal else (left, 0)
         kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window,
@@ -66,3 +64,15 @@ class FlashAttnProvider(Fa2Provider):
         if varlen is not None:
             lse = varlen_lse_2d(lse, varlen[0], q.shape[0])
         return out, lse
+
+
+def varlen_lse_2d(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """Normalize a varlen LSE to [H, total_q]: older flash-attn returned [n_seq, H, max_q] padded."""
+    if lse.dim() == 2:
+        return lse
+    n_seq, H, max_q = lse.shape
+    cu = cu_q.long()
+    tok = torch.arange(total_q, device=lse.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seq - 1)
+    pos = (tok - cu[seq]).clamp_(max=max_q - 1)
+    return lse[seq, :, pos].transpose(0, 1)

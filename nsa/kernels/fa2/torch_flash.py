@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import flash_wrappers
+from .. import flash_wrappers
 from .base import Fa2Provider
 
 
@@ -22,7 +22,6 @@ class TorchFlashProvider(Fa2Provider):
     def __init__(self, kernel=None):
         super().__init__()
         self.kernel = kernel  # None: torch.ops.aten._flash_attention_forward; tests pass an emulation
-        self.available_override: tuple[bool, str] | None = None
 
     def availability(self, device, forced):
         if self.available_override is not None:
@@ -33,7 +32,7 @@ class TorchFlashProvider(Fa2Provider):
             return False, f"torch_flash runs on CUDA tensors, got {device}"
         return flash_wrappers.torch_flash_status()
 
-    def _attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
+    def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         op = self.kernel or torch.ops.aten._flash_attention_forward
         right = -1 if causal else 0
         if varlen is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import NSAConfig
+from .config import NSAConfig
 
 
 @dataclass
@@ -22,6 +22,8 @@ class SeqLayout:
     cmp_local: torch.Tensor  # [B, Nc] that start relative to its sequence (i * stride_cmp)
     cmp_valid: torch.Tensor  # [B, Nc] bool: the slot holds a real block
     n_sel_blocks: int  # upper bound on selection blocks of any one sequence
+    cmp_slot0: torch.Tensor  # [B, T] slot of block 0 of each token's sequence (its blocks follow in order)
+    packed: bool = False  # built from cu_seqlens (else slot i is block i of every batch row)
 
     @property
     def n_cmp(self) -> int:
@@ -47,6 +49,7 @@ def dense_layout(B: int, T: int, cfg: NSAConfig, device) -> SeqLayout:
         cmp_local=start,
         cmp_valid=torch.ones(B, n, dtype=torch.bool, device=device),
         n_sel_blocks=cfg.n_sel_blocks(T),
+        cmp_slot0=torch.zeros(1, 1, dtype=torch.long, device=device).expand(B, T),
     )
 
 
@@ -75,6 +78,8 @@ def packed_layout(cu_seqlens: torch.Tensor, T: int, cfg: NSAConfig) -> SeqLayout
         cmp_local=torch.where(valid, local, torch.zeros_like(local))[None],
         cmp_valid=valid[None],
         n_sel_blocks=cfg.n_sel_blocks(T),
+        cmp_slot0=(ends - counts)[seq_of_token.clamp(max=len(lengths) - 1)][None],
+        packed=True,
     )
 
 

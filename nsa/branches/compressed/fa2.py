@@ -1,0 +1,42 @@
+"""Compressed branch on a FlashAttention-2 kernel (flash_attn or torch_flash), by folding queries into
+heads (fold.py): one bottom-right-causal call over the compressed K/V, no K/V copy. Signature after
+binding the provider: `(q, k_cmp, v_cmp, layout, cfg, scale) -> (o, lse)`."""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import NSAConfig
+from ...kernels.fa2.base import CallContext, Fa2Provider
+from ...toggles import Toggles
+from .fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
+
+
+def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_cmp, v_cmp, layout,
+                   cfg: NSAConfig, scale: float):
+    B, T, Hq, _ = q.shape
+    Hkv, Dv = k_cmp.shape[2], v_cmp.shape[3]
+    G = Hq // Hkv
+    varlen = ctx.packed or toggles.force_varlen
+    if varlen:
+        host = ctx.host_cu if ctx.packed else [b * T for b in range(B + 1)]
+        plan = plan_varlen(host, B * T, Hkv, G, cfg, q.device)
+        q_in = q.reshape(1, B * T, Hq, q.shape[-1])
+        k_in = k_cmp.reshape(1, -1, Hkv, k_cmp.shape[-1])[:, :plan.n_cmp]
+        v_in = v_cmp.reshape(1, -1, Hkv, Dv)[:, :plan.n_cmp]
+    else:
+        plan = plan_dense(B, T, Hkv, G, cfg)
+        q_in, k_in, v_in = q, k_cmp, v_cmp
+    if plan.n_cmp == 0 or T == 0:  # no block anywhere: every row is empty
+        return q.new_zeros(B, T, Hq, Dv), q.new_full((B, T, Hq), float("-inf"), dtype=torch.float32)
+    qf, kf, vf = prov.prep((fold_q(q_in, plan), k_in, v_in), ctx, toggles, "cmp")
+    if varlen:
+        o, lse = prov.attn(qf, kf[0], vf[0], causal=True, left=-1, scale=scale,
+                           varlen=(plan.cu_q, plan.cu_k, plan.max_q, plan.max_k), need_lse=True)
+    else:
+        o, lse = prov.attn(qf, kf, vf, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
+    o = unfold_o(o[..., :Dv], plan).to(q.dtype)
+    lse = unfold_lse(lse, plan)
+    if varlen and not ctx.packed:
+        o, lse = o.reshape(B, T, Hq, Dv), lse.reshape(B, T, Hq)
+    return o, lse

@@ -1,0 +1,116 @@
+"""The gated sum of the three branches (Triton): out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win.
+
+One pass over the branch outputs instead of the five elementwise torch ops (each a full read and write
+of [B, T, Hq, Dv]); fp32 arithmetic, output in o_cmp's dtype. The backward writes the three branch
+gradients (g_i * dout) and the gate gradients (rowsum(dout * o_i)) in one pass too. Inputs may have any
+strides (the providers return views); rows are (b, t, h), columns the head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _np2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit
+def _rows(R, T, Hq, BLOCK_R: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    h = r % Hq
+    bt = r // Hq
+    return r < R, bt // T, bt % T, h
+
+
+@triton.jit
+def _combine_fwd(G, A, S, W, O, R, T, Hq, Dv,
+                 sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3, sw0, sw1, sw2, sw3,
+                 so0, so1, so2, so3, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    ok, b, t, h = _rows(R, T, Hq, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    m = ok[:, None] & (d < Dv)[None, :]
+    gp = G + b * sg0 + t * sg1 + h * sg2
+    g0 = tl.load(gp, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(gp + sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(gp + 2 * sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    a = tl.load(A + (b * sa0 + t * sa1 + h * sa2)[:, None] + d[None, :] * sa3, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(S + (b * ss0 + t * ss1 + h * ss2)[:, None] + d[None, :] * ss3, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + (b * sw0 + t * sw1 + h * sw2)[:, None] + d[None, :] * sw3, mask=m, other=0.0).to(tl.float32)
+    out = g0 * a + g1 * s + g2 * w
+    tl.store(O + (b * so0 + t * so1 + h * so2)[:, None] + d[None, :] * so3, out.to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_bwd(G, A, S, W, DO, DG, DA, DS, DW, R, T, Hq, Dv,
+                 sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3, sw0, sw1, sw2, sw3,
+                 sd0, sd1, sd2, sd3, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # DG, DA, DS, DW are contiguous: [R, 3] and [R, Dv].
+    ok, b, t, h = _rows(R, T, Hq, BLOCK_R)
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = ok[:, None] & (d < Dv)[None, :]
+    gp = G + b * sg0 + t * sg1 + h * sg2
+    g0 = tl.load(gp, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(gp + sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(gp + 2 * sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    do = tl.load(DO + (b * sd0 + t * sd1 + h * sd2)[:, None] + d[None, :] * sd3, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(A + (b * sa0 + t * sa1 + h * sa2)[:, None] + d[None, :] * sa3, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(S + (b * ss0 + t * ss1 + h * ss2)[:, None] + d[None, :] * ss3, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + (b * sw0 + t * sw1 + h * sw2)[:, None] + d[None, :] * sw3, mask=m, other=0.0).to(tl.float32)
+    off = r[:, None] * Dv + d[None, :]
+    tl.store(DA + off, (g0 * do).to(DA.dtype.element_ty), mask=m)
+    tl.store(DS + off, (g1 * do).to(DS.dtype.element_ty), mask=m)
+    tl.store(DW + off, (g2 * do).to(DW.dtype.element_ty), mask=m)
+    tl.store(DG + r * 3, tl.sum(do * a, axis=1).to(DG.dtype.element_ty), mask=ok)
+    tl.store(DG + r * 3 + 1, tl.sum(do * s, axis=1).to(DG.dtype.element_ty), mask=ok)
+    tl.store(DG + r * 3 + 2, tl.sum(do * w, axis=1).to(DG.dtype.element_ty), mask=ok)
+
+
+def _meta(Dv: int) -> dict:
+    bd = max(16, _np2(Dv))
+    return {"BLOCK_R": max(1, 4096 // bd), "BLOCK_D": bd, "num_warps": 4}
+
+
+class GateCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates, o_cmp, o_sel, o_win):
+        B, T, Hq, Dv = o_cmp.shape
+        out = torch.empty(B, T, Hq, Dv, device=o_cmp.device, dtype=o_cmp.dtype)
+        R = B * T * Hq
+        if R:
+            meta = _meta(Dv)
+            _combine_fwd[(triton.cdiv(R, meta["BLOCK_R"]),)](
+                gates, o_cmp, o_sel, o_win, out, R, T, Hq, Dv, *gates.stride(), *o_cmp.stride(),
+                *o_sel.stride(), *o_win.stride(), *out.stride(), **meta)
+        ctx.save_for_backward(gates, o_cmp, o_sel, o_win)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gates, o_cmp, o_sel, o_win = ctx.saved_tensors
+        B, T, Hq, Dv = o_cmp.shape
+        dg = torch.empty(B, T, Hq, 3, device=gates.device, dtype=gates.dtype)
+        da = torch.empty(B, T, Hq, Dv, device=o_cmp.device, dtype=o_cmp.dtype)
+        ds = torch.empty(B, T, Hq, Dv, device=o_sel.device, dtype=o_sel.dtype)
+        dw = torch.empty(B, T, Hq, Dv, device=o_win.device, dtype=o_win.dtype)
+        R = B * T * Hq
+        if R:
+            meta = _meta(Dv)
+            _combine_bwd[(triton.cdiv(R, meta["BLOCK_R"]),)](
+                gates, o_cmp, o_sel, o_win, dout, dg, da, ds, dw, R, T, Hq, Dv, *gates.stride(),
+                *o_cmp.stride(), *o_sel.stride(), *o_win.stride(), *dout.stride(), **meta)
+        return dg, da, ds, dw
+
+
+def gate_combine(gates, o_cmp, o_sel, o_win):
+    """gates [B, T, Hq, 3], o_* [B, T, Hq, Dv] (one dtype) -> out [B, T, Hq, Dv] (differentiable)."""
+    if not (o_cmp.shape == o_sel.shape == o_win.shape) or gates.shape != (*o_cmp.shape[:3], 3):
+        raise ValueError(f"gate_combine: shapes gates {tuple(gates.shape)}, o_cmp {tuple(o_cmp.shape)}, "
+                         f"o_sel {tuple(o_sel.shape)}, o_win {tuple(o_win.shape)} do not match")
+    return GateCombine.apply(gates, o_cmp, o_sel, o_win)
+
+
+__all__ = ["GateCombine", "gate_combine"]

@@ -1,0 +1,221 @@
+"""Fused selection score + top-n (Triton): the blocks each query's KV group attends in the selected branch.
+
+Contract (same function as nsa.branches.selected.naive.top_n, see docs/semantics.md):
+    q [B, T, Hq, Dk], k_cmp [B, Nc, Hkv, Dk] (compressed keys, one slot per block, nsa.layout),
+    lse [B, T, Hq] fp32 (the compressed branch's natural-log LSE, -inf for a query that sees no block),
+    seq_start [B, T] (global index of each token's sequence start), cmp_slot0 [B, T] (slot of block 0 of
+    each token's sequence). Returns int32 [B, T, Hkv, n_sel]: ascending block ids local to the sequence,
+    -1 padded. No gradient, nothing of size [T, Nc] or [T, N_sel] in global memory.
+
+One program per (tile of BLOCK_T tokens, batch x KV head). The rows of tl.dot are the tile's tokens x
+the G query heads of the KV head (BLOCK_T * BLOCK_G >= 16). The program walks the selection blocks of
+its tokens in chunks of BLOCK_J: recomputes the logits against the R compressed blocks that start in
+each selection block (R = l'/d), turns them into probabilities with the LSE (exp2 domain), sums them
+over the G heads, then per selection block j adds the group of j and the tails of the groups before it
+whose blocks reach into j (with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every
+block overlapping j is counted once. A tail moves k blocks to the right (from the previous chunk for
+the first k) with a product by a 0/1 matrix: one nonzero per column, so the move is exact.
+Every score is thus formed by the same operations in the same order, whatever the block's position:
+mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
+
+Ranking: each candidate becomes one int64 key, (score bits << 32) | (2^31 - 1 - j): for scores >= 0 the
+float bits order like the values, and among equal scores the lower j has the larger key. Forced blocks
+(the first n_init, the n_local ending at the token's own block) get +inf's bits, non-candidates -1. A
+running top-KEEP list per token is merged with each chunk's keys (bitonic sort of the 2*KEEP keys, keep
+the first half) only when some key beats the list's current minimum.
+
+Packed input: a tile may hold tokens of several sequences, whose compressed blocks start at different
+slots; the program processes one sequence of its tile at a time (at most BLOCK_T passes, one for dense
+input). Offsets are int64 wherever a stride times an index can pass 2**31.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_KEEP = 64
+
+
+def _np2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit
+def _first_half(x, ROWS: tl.constexpr, N: tl.constexpr):
+    """[ROWS, 2N] -> its first N columns."""
+    y = tl.permute(tl.reshape(x, [ROWS, 2, N]), [0, 2, 1])
+    a, b = tl.split(y)
+    return a
+
+
+@triton.jit
+def _topn_kernel(
+    Q, KC, LSE, SS, SC0, IDX,
+    sqb, sqt, sqh, sqd,
+    skb, skn, skh, skd,
+    slb, slt, slh,
+    ssb, sst,
+    scb, sct,
+    sib, sit, sih, sin,
+    T, Hkv, G, D, n_sel, n_init, n_local, qk_scale,
+    n_tiles,
+    R: tl.constexpr, C: tl.constexpr, K_BACK: tl.constexpr,
+    STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_J: tl.constexpr, IEEE: tl.constexpr,
+):
+    KEEP: tl.constexpr = BLOCK_J  # the running list holds as many keys as a chunk brings
+    ROWS: tl.constexpr = BLOCK_T * BLOCK_G
+    BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
+    tile = n_tiles - 1 - tl.program_id(0)  # the longest tiles (most blocks) first
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+
+    # Tokens of the tile, and the same per row (row = token * BLOCK_G + head).
+    t_tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = t_tok < T
+    t_tok64 = t_tok.to(tl.int64)
+    start_tok = tl.load(SS + b * ssb + t_tok64 * sst, mask=tok_ok, other=0).to(tl.int64)
+    slot0_tok = tl.load(SC0 + b * scb + t_tok64 * sct, mask=tok_ok, other=0).to(tl.int64)
+    pos_tok = t_tok64 - start_tok
+    jt_tok = pos_tok // BLOCK_SEL
+
+    rr = tl.arange(0, ROWS)
+    t_row = (tile * BLOCK_T + rr // BLOCK_G).to(tl.int64)
+    g_row = rr % BLOCK_G
+    row_in = (t_row < T) & (g_row < G)
+    head = h * G + g_row
+    start_row = tl.load(SS + b * ssb + t_row * sst, mask=row_in, other=0).to(tl.int64)
+    slot0_row = tl.load(SC0 + b * scb + t_row * sct, mask=row_in, other=0).to(tl.int64)
+    pos_row = t_row - start_row
+    rd = tl.arange(0, BLOCK_D)
+    d_ok = rd < D
+    q = tl.load(Q + b * sqb + t_row[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
+                mask=row_in[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + b * slb + t_row * slt + head * slh, mask=row_in, other=float("-inf"))
+    row_ok = row_in & (lse > float("-inf"))
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+
+    # Compressed blocks of a chunk: kk = jj * R_PAD + u is block (j0 + jj) * R + u of the sequence.
+    kk = tl.arange(0, BLOCK_C)
+    jj_c = kk // R_PAD
+    u_c = kk % R_PAD
+    u3 = tl.arange(0, R_PAD)[None, None, :]
+    ja = tl.arange(0, BLOCK_J)[:, None]
+    jb = tl.arange(0, BLOCK_J)[None, :]
+
+    top = tl.full([BLOCK_T, KEEP], -1, tl.int64)
+    done = ~tok_ok
+    for _ in range(BLOCK_T):  # one pass per sequence present in the tile (one for dense input)
+        if tl.min(done.to(tl.int32), axis=0) == 0:
+            cur = tl.min(tl.where(done, 9223372036854775807, slot0_tok), axis=0)
+            act_tok = (~done) & (slot0_tok == cur)
+            act_row = row_ok & (slot0_row == cur)
+            j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
+            pos_hi = tl.max(tl.where(act_tok, pos_tok, -1), axis=0)
+            prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's group sums
+            for j0 in range(0, j_hi + 1, BLOCK_J):
+                i_loc = (j0 + jj_c) * R + u_c
+                blk_end = i_loc * STRIDE + (BLOCK_CMP - 1)
+                k_ok = (u_c < R) & (blk_end <= pos_hi)
+                kc = tl.load(KC + b * skb + (cur + i_loc)[:, None] * skn + h * skh + rd[None, :] * skd,
+                             mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(kc), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kc))
+                vis = act_row[:, None] & k_ok[None, :] & (blk_end[None, :] <= pos_row[:, None])
+                p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+                ps = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_J, R_PAD]), axis=1)  # [BT, BJ, R_PAD]
+                score = tl.sum(ps, axis=2)  # the group of j: blocks starting inside j
+                for kb in tl.static_range(1, K_BACK + 1):  # blocks of group j - kb that reach into j
+                    cut = kb * R - C
+                    t_cur = tl.sum(tl.where(u3 >= cut, ps, 0.0), axis=2)
+                    t_prev = tl.sum(tl.where(u3 >= cut, prev, 0.0), axis=2)
+                    # Move kb columns right, the first kb from the previous chunk: one nonzero per column.
+                    s_cur = (jb == ja + kb).to(tl.float32)[None, :, :]
+                    s_prev = (jb == ja + kb - BLOCK_J).to(tl.float32)[None, :, :]
+                    score = score + (tl.sum(t_cur[:, :, None] * s_cur, axis=1)
+                                     + tl.sum(t_prev[:, :, None] * s_prev, axis=1))
+                prev = ps
+                jg = (j0 + tl.arange(0, BLOCK_J)).to(tl.int64)[None, :]
+                cand = act_tok[:, None] & (jg <= jt_tok[:, None])
+                forced = cand & ((jg < n_init) | (jg > jt_tok[:, None] - n_local))
+                bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+                bits = tl.where(forced, 2139095040, bits)  # +inf's bits: forced blocks rank first
+                key = tl.where(cand, bits * 4294967296 + (2147483647 - jg), -1)
+                thr = tl.min(top, axis=1)
+                if tl.max(tl.where(key > thr[:, None], 1, 0)) > 0:
+                    merged = tl.reshape(tl.join(top, key), [BLOCK_T, 2 * KEEP])
+                    top = _first_half(tl.sort(merged, descending=True), BLOCK_T, KEEP)
+            done = done | act_tok
+
+    # The first n_sel keys (top is sorted, largest first) -> block ids, ascending, -1 padded.
+    col = tl.arange(0, KEEP)[None, :]
+    big = 2147483647
+    j_sel = tl.where((top >= 0) & (col < n_sel), 2147483647 - (top & 4294967295), big)
+    j_sel = tl.sort(j_sel)
+    j_sel = tl.where(j_sel == big, -1, j_sel).to(tl.int32)
+    tl.store(IDX + b * sib + t_tok64[:, None] * sit + h * sih + col * sin, j_sel,
+             mask=tok_ok[:, None] & (col < n_sel))
+
+
+def unsupported(cfg) -> str | None:
+    """Why the kernel cannot run this configuration (None when it can)."""
+    if cfg.n_sel > MAX_KEEP:
+        return f"n_sel={cfg.n_sel} > {MAX_KEEP}: the top-n kernel keeps at most {MAX_KEEP} keys per query"
+    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
+    if -(-c // r) > _block_j(cfg):
+        return (f"block_cmp={cfg.block_cmp} spans more than {_block_j(cfg)} selection blocks of {cfg.block_sel}: "
+                "the kernel sums the overlap over at most one chunk of selection blocks")
+    return None
+
+
+def _block_j(cfg) -> int:
+    """Selection blocks per chunk (= keys kept per token): about 64 compressed blocks per chunk."""
+    return max(_np2(cfg.n_sel), 64 // _np2(cfg.block_sel // cfg.stride_cmp), 2)
+
+
+def tile_config(G: int, D: int) -> dict:
+    """Tokens per program and warps: about 64 dot rows (tokens x padded heads), fewer for wide heads."""
+    bg = _np2(max(G, 1))
+    rows = 64 if D <= 128 else 32
+    bt = max(1, rows // bg, 16 // bg)
+    return {"BLOCK_T": bt, "BLOCK_G": bg, "num_warps": 4}
+
+
+def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
+    """Selection blocks int32 [B, T, Hkv, n_sel] for every query (see the module doc for the contract)."""
+    B, T, Hq, Dk = q.shape
+    Hkv = k_cmp.shape[2]
+    G = Hq // Hkv
+    idx = torch.empty(B, T, Hkv, cfg.n_sel, dtype=torch.int32, device=q.device)
+    if B * T * Hkv == 0:
+        return idx
+    if k_cmp.shape[1] == 0:  # T < l: no block anywhere; keep one zero slot so the kernel has a pointer
+        k_cmp = k_cmp.new_zeros(B, 1, Hkv, Dk)
+    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
+    fail = unsupported(cfg)
+    if fail:
+        raise ValueError(fail)
+    r_pad = _np2(r)
+    block_j = _block_j(cfg)
+    meta = {**tile_config(G, Dk), **(config or {})}
+    warps = meta.pop("num_warps")
+    n_tiles = triton.cdiv(T, meta["BLOCK_T"])
+    _topn_kernel[(n_tiles, B * Hkv)](
+        q, k_cmp, lse, seq_start, cmp_slot0, idx,
+        *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
+        T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
+        R=r, C=c, K_BACK=-(-c // r), STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
+        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, IEEE=q.dtype == torch.float32,
+        num_warps=warps, **meta,
+    )
+    return idx
+
+
+__all__ = ["topn_triton", "tile_config", "unsupported"]

@@ -1,0 +1,246 @@
+"""Planning: which implementation serves each step of one nsa_attention call, decided once per call.
+
+Steps: cmp (compressed attention + its LSE), topn (the selection blocks), sel (selected attention), win
+(sliding window) and, in the fused executor, combine (the gated sum). `make_plan` reads the toggles
+(nsa.toggles) once, asks every candidate provider for availability and guards, records each decision
+in nsa.telemetry as (step, provider, reason), and returns a Plan whose steps carry callables with the
+branch signatures of nsa.branches (provider context already bound).
+
+cmp and win, backend="auto": flash_attn -> torch_flash -> sdpa -> torch. A provider that is not
+available here (not installed, no GPU) is skipped silently: that is the environment, reported by
+`python -m nsa.env`. One that is available but whose guard fails is a fallback: counted with the reason
+of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces that provider for cmp
+and win (NSAInputError with the reason when it cannot run; forcing skips only the min-length threshold).
+sel follows `sel_backend` (argument, else NSA_SEL_BACKEND, default "auto"): auto runs the Triton kernel
+when available and its guards pass, "torch" keeps it on torch, "triton_sel" forces it. topn runs on its
+Triton kernel when available and its guards pass (NSA_USE_TRITON_TOPN=0 or sel_backend="torch" keep
+it on torch); it needs the whole-T LSE of a fast cmp provider, so with cmp on torch it runs in the
+chunked loop.
+
+Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
+top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
+(nsa.pipeline.run_fused). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
+implementations exist as hooks (nsa.pipeline.run_chunked). backend="torch" is always chunked;
+backend="reference" is the fp64 oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import telemetry
+from . import toggles as _toggles
+from .branches.compressed.fa2 import compressed_fa2
+from .branches.compressed.sdpa import compressed_sdpa
+from .branches.sliding.fa2 import sliding_fa2
+from .branches.sliding.sdpa import sliding_sdpa
+from .kernels.fa2.base import CallContext
+from .kernels.fa2.flash_attn import FlashAttnProvider
+from .kernels.fa2.torch_flash import TorchFlashProvider
+from .kernels.sdpa import SdpaProvider
+from .kernels.triton.provider import TritonProvider
+from .validation import NSAInputError, Shapes
+
+BACKENDS = ("auto", "torch", "reference", "flash_attn", "torch_flash", "sdpa")
+ORDER = ("flash_attn", "torch_flash", "sdpa")
+PROVIDERS = {"flash_attn": FlashAttnProvider(), "torch_flash": TorchFlashProvider(), "sdpa": SdpaProvider()}
+TRITON = {"sel": TritonProvider("sel"), "topn": TritonProvider("topn"), "combine": TritonProvider("combine")}
+SEL_BACKENDS = _toggles.SEL_BACKENDS
+STEPS = ("cmp", "topn", "sel", "win", "combine")
+
+
+@dataclass
+class Step:
+    provider: str  # what serves the step: torch, flash_attn, torch_flash, sdpa, triton, reference, given
+    reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
+    fn: Callable | None = None  # whole-T implementation (branch signature); None: the chunked torch path
+    detail: str = ""
+
+
+@dataclass
+class Plan:
+    executor: str  # "fused" | "chunked" | "reference"
+    steps: dict[str, Step] = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        steps = self.__dict__.get("steps", {})
+        if name in steps:
+            return steps[name]
+        raise AttributeError(name)
+
+    def describe(self) -> dict:
+        """{"executor": ..., "cmp": "torch_flash", ...}: what served each step (reports, benches)."""
+        return {"executor": self.executor, **{k: s.provider for k, s in self.steps.items()}}
+
+
+def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg) -> tuple[str, str, str]:
+    """(provider name or "torch", reason, detail) for cmp or win. Raises when forced and impossible."""
+    if backend in PROVIDERS:
+        prov = PROVIDERS[backend]
+        ok, why = prov.availability(ctx.device, forced=True)
+        if not ok:
+            raise NSAInputError(f"backend={backend!r} is not available here: {why}")
+        fail = prov.guard(branch, ctx, tg, forced=True)
+        if fail:
+            raise NSAInputError(f"backend={backend!r} cannot serve the {branch} branch: {fail}")
+        return backend, "forced", ""
+    first_fail = None
+    for name in ORDER:
+        prov = PROVIDERS[name]
+        ok, _ = prov.availability(ctx.device, forced=False)
+        if not ok:
+            continue
+        fail = prov.guard(branch, ctx, tg, forced=False)
+        if fail is None:
+            return name, (first_fail.reason if first_fail else "ok"), (str(first_fail) if first_fail else "")
+        if first_fail is None:
+            first_fail = fail
+    return "torch", (first_fail.reason if first_fail else "ok"), (str(first_fail) if first_fail else "")
+
+
+def _triton_choice(kind: str, sel_backend: str, ctx: CallContext, tg, cfg) -> tuple[str, str, str]:
+    """("triton" or "torch", reason, detail) for sel or topn. Raises when forced and impossible."""
+    if sel_backend == "torch":
+        return "torch", "forced", ""
+    forced = sel_backend == "triton_sel"
+    prov = TRITON[kind]
+    ok, why = prov.availability(ctx.device, forced=forced)
+    if not ok:
+        if forced:
+            raise NSAInputError(f"sel_backend='triton_sel' is not available here ({kind}): {why}")
+        return "torch", "ok", ""  # not available in this environment: not a fallback (python -m nsa.env)
+    fail = prov.guard(ctx, tg, forced=forced, cfg=cfg)
+    if fail:
+        if forced:
+            raise NSAInputError(f"sel_backend='triton_sel' cannot serve the {kind} step: {fail}")
+        return "torch", fail.reason, str(fail)
+    return "triton", "forced" if forced else "ok", ""
+
+
+def _timed(step: str, provider: str, fn: Callable) -> Callable:
+    """NSA_DEBUG_TIMING=1: synchronized wall time per (step, provider) call into telemetry."""
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        sync = torch.cuda.synchronize if dev is not None and dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        res = fn(*args, **kwargs)
+        sync()
+        telemetry.add_time(f"{step}.{provider}", (time.perf_counter() - t0) * 1e3)
+        return res
+
+    return timed
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _record(step: str, s: Step) -> None:
+    if s.detail:
+        telemetry.record(step, s.provider, s.reason, detail=s.detail)
+    else:
+        telemetry.record(step, s.provider, s.reason)
+
+
+def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlens=None, host_cu=None,
+              given_indices: bool = False, sel_backend: str | None = None) -> Plan:
+    """Decide every step of one call, record the decisions in telemetry, return the Plan."""
+    if backend not in BACKENDS:
+        raise NSAInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("torch", "reference"):
+        steps = {s: Step(backend, "forced") for s in STEPS[:4]}
+        if given_indices:
+            steps["topn"] = Step("given", "forced")
+        for name, s in steps.items():
+            _record(name, s)
+        return Plan("chunked" if backend == "torch" else "reference", steps)
+
+    tg = _toggles.read()
+    sel_backend = sel_backend or tg.sel_backend
+    if sel_backend not in SEL_BACKENDS:
+        raise NSAInputError(f"sel_backend must be one of {SEL_BACKENDS}, got {sel_backend!r}")
+    B, T, Hq, Dk = q.shape
+    timing = tg.debug_timing
+
+    def ctx_for(kb, vb, grad_tensors):
+        shapes = Shapes(B, T, Hq, kb.shape[2], Dk, vb.shape[3])
+        return CallContext(shapes, q.dtype, q.device, _needs_grad(grad_tensors), cu_seqlens=cu_seqlens,
+                           host_cu=host_cu)
+
+    steps: dict[str, Step] = {}
+    for branch, pair, impl_fa2, impl_sdpa in (("cmp", kv_cmp, compressed_fa2, compressed_sdpa),
+                                              ("win", kv_win, sliding_fa2, sliding_sdpa)):
+        kb, vb = pair or (k, v)
+        ctx = ctx_for(kb, vb, [q, kb, vb])
+        name, reason, detail = _fa2_choice(branch, backend, ctx, tg)
+        fn = None
+        if name == "sdpa":
+            fn = functools.partial(impl_sdpa, tg)
+        elif name != "torch":
+            fn = functools.partial(impl_fa2, PROVIDERS[name], ctx, tg)
+        steps[branch] = Step(name, reason, fn, detail)
+
+    sel_ctx = ctx_for(k, v, [q, k, v])
+    name, reason, detail = _triton_choice("sel", sel_backend, sel_ctx, tg, cfg)
+    steps["sel"] = Step(name, reason, _sel_triton if name == "triton" else None, detail)
+
+    if given_indices:
+        steps["topn"] = Step("given", "forced")
+    elif steps["cmp"].fn is None:
+        # The top-n kernel reads the whole-T LSE of a fast cmp provider; torch cmp computes it per chunk.
+        # Not a fallback of its own: it follows the cmp decision (environment, forced, or cmp's fallback).
+        why = "the compressed branch runs on torch (no whole-T LSE for the top-n kernel)"
+        if sel_backend == "torch" or telemetry.is_normal(steps["cmp"].reason):
+            steps["topn"] = Step("torch", "forced" if sel_backend == "torch" else steps["cmp"].reason)
+        else:
+            steps["topn"] = Step("torch", "cmp_on_torch", None, why)
+    else:
+        # "triton_sel" forces the selected attention kernel; the top-n kernel then runs where it can.
+        topn_choice = "torch" if sel_backend == "torch" else "auto"
+        name, reason, detail = _triton_choice("topn", topn_choice, ctx_for(k, v, []), tg, cfg)
+        steps["topn"] = Step(name, reason, _topn_triton if name == "triton" else None, detail)
+
+    fused = all(steps[s].fn is not None for s in ("cmp", "sel", "win")) and (
+        given_indices or steps["topn"].fn is not None)
+    if fused:
+        ok, _ = TRITON["combine"].availability(q.device, forced=False)
+        fail = TRITON["combine"].guard(sel_ctx, tg, forced=False) if ok else None
+        if ok and fail is None:
+            steps["combine"] = Step("triton", "ok", _combine_triton)
+        else:
+            steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
+    for name, s in steps.items():
+        if T == 0:
+            s.fn = None if name != "combine" else s.fn
+        elif timing and s.fn is not None:
+            s.fn = _timed(name, s.provider, s.fn)
+        _record(name, s)
+    return Plan("fused" if fused and T > 0 else "chunked", steps)
+
+
+# --- the Triton steps, bound lazily so that planning never imports triton ----------------------------------
+
+def _sel_triton(q, k, v, indices, layout, cfg, scale):
+    from .branches.selected.triton import selected_attention
+
+    return selected_attention(q, k, v, indices, layout, cfg, scale)
+
+
+def _topn_triton(q, k_cmp, lse, layout, cfg, scale):
+    from .branches.selected.triton import top_n
+
+    return top_n(q, k_cmp, lse, layout, cfg, scale)
+
+
+def _combine_triton(gates, o_cmp, o_sel, o_win):
+    from .kernels.triton.combine import gate_combine
+
+    return gate_combine(gates, o_cmp, o_sel, o_win)

@@ -7,12 +7,10 @@ Contract (same function as nsa.branches.selected.naive.selected_attention, whole
     u of its KV group's selected blocks with u <= t (positions local to the sequence, u = j*l' + r).
     A row with no visible token outputs exactly 0 and gets zero gradients.
 
-Forward (group-centric): one program per (token, batch x KV head, tile of query heads). The G query heads
-of a KV head are the M rows of tl.dot (padded to BLOCK_G = max(16, next_pow2(G)), at most 64 rows per
-tile; G > 64 uses several tiles), so each selected K/V block is loaded once per group and token. The
-program loops over the token's n blocks (skipping -1), masks u > t and the block tail, and keeps an
-online softmax in fp32 (exp2 domain). It writes o [B, T, Hq, Dv] (q's dtype) and the log-sum-exp
-[B, T, Hq] (fp32, natural log; -inf for empty rows) for the backward.
+Forward: selection_fwd.py (group-centric: the G query heads of a KV head are the rows of tl.dot, padded to
+BLOCK_G = max(16, next_pow2(G)), at most 64 rows per tile; a flat, pipelined loop over the token's
+blocks). It writes o [B, T, Hq, Dv] (q's dtype) and the log-sum-exp [B, T, Hq] (fp32, natural log; -inf
+for empty rows) for the backward.
 
 Backward: delta = rowsum(dO * O) (torch), then one kernel with the forward's grid recomputes p from the
 LSE, writes dq for its rows, and adds its dk/dv contributions to fp32 buffers with tl.atomic_add
@@ -45,81 +43,6 @@ def _np2(x: int) -> int:
 
 def block_g(G: int) -> int:
     return min(max(16, _np2(G)), MAX_BLOCK_G)
-
-
-@triton.jit
-def _sel_fwd_kernel(
-    Q, K, V, IDX, SS, O, LSE,
-    sqb, sqt, sqh, sqd,
-    skb, skt, skh, skd,
-    svb, svt, svh, svd,
-    sib, sit, sih, sin,
-    ssb, sst,
-    sob, sot, soh, sod,
-    slb, slt, slh,
-    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
-    g0 = tl.program_id(2) * BLOCK_G
-
-    rg = g0 + tl.arange(0, BLOCK_G)
-    rn = tl.arange(0, BLOCK_N)
-    rdk = tl.arange(0, BLOCK_DK)
-    rdv = tl.arange(0, BLOCK_DV)
-    g_ok = rg < G
-    dk_ok = rdk < Dk
-    dv_ok = rdv < Dv
-    heads = (h * G + rg).to(tl.int64)
-
-    start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
-    pos = t - start
-
-    q_ptr = Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd
-    q = tl.load(q_ptr, mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-
-    idx_base = IDX + b * sib + t * sit + h * sih
-    for i in range(0, n_sel):
-        j = tl.load(idx_base + i * sin).to(tl.int64)
-        if j >= 0:
-            for c in range(0, block_sel, BLOCK_N):
-                local = j * block_sel + c + rn
-                keep = (c + rn < block_sel) & (local <= pos)
-                tok = start + local
-                k_ptr = K + b * skb + tok[:, None] * skt + h * skh + rdk[None, :] * skd
-                kb = tl.load(k_ptr, mask=keep[:, None] & dk_ok[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kb))
-                s = tl.where(keep[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_ptr = V + b * svb + tok[:, None] * svt + h * svh + rdv[None, :] * svd
-                vb = tl.load(v_ptr, mask=keep[:, None] & dv_ok[None, :], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-                m_i = m_new
-
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptr = O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod
-    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * slb + t * slt + heads * slh, lse, mask=g_ok)
 
 
 @triton.jit
@@ -245,23 +168,10 @@ def _launch_cfg(meta):
 
 def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float):
     """Raw forward: (o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row)."""
+    from .selection_fwd import sel_forward as forward
+
     _check(q, k, v, indices, seq_start, block_sel)
-    B, T, Hq, _ = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
-    o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
-    if B * T * Hq == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
-    meta, G, n_gt = _meta(q, k, v, block_sel)
-    n = indices.shape[3]
-    grid = (T, B * Hkv, n_gt)
-    _sel_fwd_kernel[grid](
-        q, k, v, indices, seq_start, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
-        Hkv, G, q.shape[3], Dv, n, block_sel, scale * LOG2E,
-        **meta, **_launch_cfg(meta),
-    )
-    return o, lse
+    return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N)
 
 
 def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float):

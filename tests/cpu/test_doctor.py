@@ -70,6 +70,15 @@ def test_every_code_is_documented_with_its_fix():
         assert f"`{code}`" in section, f"docs/environments.md does not describe {code}"
 
 
+def test_driver_floor_from_the_kernel_module_when_libcuda_does_not_answer():
+    r = gpu_machine_report()
+    r["driver"] = {"version": "535.104.05", "cuda": None}
+    f = found(r)["driver_too_old"]
+    assert f.severity == "error" and "580.65.06" in f.fix
+    r["driver"]["version"] = "580.95.05"
+    assert status(r, "driver_too_old").status == "not applicable"
+
+
 # --- build_isolation -----------------------------------------------------------------------------------------
 
 PIP_ISOLATION_LOG = """\

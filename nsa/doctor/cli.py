@@ -66,6 +66,3 @@ def main(argv: list[str] | None = None) -> int:
         _print(outcomes)
     return 1 if any(x.severity == "error" for x in findings) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -224,7 +224,7 @@ def collect() -> dict[str, Any]:
         "triton": _triton_facts(),
         "flash_attn": _flash_facts(),
         "torch_flash_varlen": {"available": tf_ok, "reason": tf_why},
-        # What the torch_flash backend calls (nsa/backends/torch_flash.py).
+        # What the torch_flash backend calls (nsa/kernels/fa2/torch_flash.py).
         "torch_flash_op": {"available": op_ok, "reason": op_why},
         "sdpa": _sdpa_facts(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},

@@ -139,6 +139,15 @@ class NSACache:
         self.cache_seqlens.zero_()
         self._set_base([0] * self.batch)
 
+    def host_state(self) -> tuple:
+        """The host copy of the lengths, to put back after recording a step that did not run (graph capture)."""
+        return tuple(self._base), self._steps
+
+    def set_host_state(self, state: tuple) -> None:
+        base, steps = state
+        self._set_base(list(base))
+        self._steps = steps
+
     def _set_base(self, lengths: list[int]) -> None:
         self._base = list(lengths)
         self._base_max = max(lengths)

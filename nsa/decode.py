@@ -163,12 +163,9 @@ def nsa_decode(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None,
     tokens = _check_step(q, k, v, gates, cache, cfg, kv_cmp, kv_win, compress_fn, out)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, gates, *tokens))
     plan = plan_decode_backend(backend, q, cache, needs_grad=needs_grad)
+    served = "triton_decode" if plan.backend == "triton" else "torch"
     for branch in BRANCHES:
-        name = "triton_decode" if plan.backend == "triton" else "torch"
-        if plan.detail and plan.reason not in ("decode",):
-            telemetry.record(branch, name, plan.reason, detail=plan.detail)
-        else:
-            telemetry.record(branch, name, plan.reason)
+        telemetry.record(branch, served, plan.reason, **({"detail": plan.detail} if plan.detail else {}))
     if plan.backend == "triton":
         from .kernels.triton.decode import decode_step_triton
 
@@ -189,14 +186,24 @@ def nsa_decode(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None,
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def _decode_torch(q, gates, cache: NSACache, tokens, compress_fn):
-    """The step with the prefill branch functions. Returns (out [B, 1, Hq, Dv], indices int32 [B, 1, Hkv, n])."""
+@dataclass
+class TorchStepView:
+    """What the torch step's branch calls see of the cache after the append (module doc: shifted coordinates)."""
+
+    qc: torch.Tensor  # [B, 1, Hkv, G, Dk] in the compute dtype
+    pos: torch.Tensor  # [B, 1] each sequence's new position t
+    seq_start: torch.Tensor  # [B, 1] ref - t: sequence b starts there in shifted coordinates
+    t_glob: torch.Tensor  # [1] = ref, the new tokens' shared shifted position
+    cmp_local: torch.Tensor  # [B, n] start of each compressed block within its sequence
+    n_cmp: int  # compressed blocks any sequence can see (static)
+    n_sel_blocks: int  # selection blocks any sequence can see (static)
+    win_key_pos: torch.Tensor  # [B, W] shifted position held by each window slot (-1: empty)
+    scale: float
+
+
+def torch_step_view(q, cache: NSACache) -> TorchStepView:
     cfg = cache.config
-    cache.append_step(*tokens, compress_fn=compress_fn)
     B, _, Hq, Dk = q.shape
-    Hkv = cache.n_kv_heads
-    ct = compute_dtype(q.dtype)
-    scale = cfg.softmax_scale(Dk)
     device = q.device
     # Static sizes: everything a sequence of at most `n_tok` tokens can see (the capacity while a CUDA graph
     # is captured, so that the replay serves every later step).
@@ -204,23 +211,34 @@ def _decode_torch(q, gates, cache: NSACache, tokens, compress_fn):
     n_tok = cache.max_len if capturing else min(cache.max_seqlen_bound + 1, cache.max_len)
     n = min(cfg.n_cmp_blocks(n_tok), cache.cmp_capacity)
     t = cache.cache_seqlens.long()  # position of each sequence's new token
-    # Shifted coordinates: sequence b starts at ref - t_b, so its token sits at the shared position ref.
-    ref = cache.max_len - 1
-    seq_start = (ref - t)[:, None]  # [B, 1]
-    t_glob = torch.full((1,), ref, device=device, dtype=torch.long)
-    qc = q.to(ct).unflatten(2, (Hkv, Hq // Hkv))  # [B, 1, Hkv, G, Dk]
-    local = (torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n)
-    o_cmp, p_cmp = branches.compressed_branch(
-        qc, cache.k_cmp[:, :n].to(ct), cache.v_cmp[:, :n].to(ct), seq_start + local,
-        torch.ones(B, n, dtype=torch.bool, device=device), t_glob, seq_start, cfg, scale)
-    scores = branches.selection_scores(p_cmp, local, cfg.n_sel_blocks(n_tok), cfg)
-    pos = t[:, None]
-    indices = branches.top_n_blocks(scores, pos, cfg)
-    o_sel = branches.selected_branch(qc, cache.k_sel, cache.v_sel, indices, pos, torch.zeros_like(pos), cfg, scale)
+    ref = cache.max_len - 1  # sequence b starts at ref - t_b, so its new token sits at ref
+    seq_start = (ref - t)[:, None]
     win = cache.window_positions(t)
-    key_pos = torch.where(win >= 0, seq_start + win, torch.full_like(win, -1))
-    o_win = branches.sliding_branch(qc, cache.k_win.to(ct), cache.v_win.to(ct), key_pos, t_glob, seq_start, cfg,
-                                    scale)
+    return TorchStepView(
+        qc=q.to(compute_dtype(q.dtype)).unflatten(2, (cache.n_kv_heads, Hq // cache.n_kv_heads)),
+        pos=t[:, None], seq_start=seq_start, t_glob=torch.full((1,), ref, device=device, dtype=torch.long),
+        cmp_local=(torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n), n_cmp=n,
+        n_sel_blocks=cfg.n_sel_blocks(n_tok),
+        win_key_pos=torch.where(win >= 0, seq_start + win, torch.full_like(win, -1)),
+        scale=cfg.softmax_scale(Dk))
+
+
+def _decode_torch(q, gates, cache: NSACache, tokens, compress_fn):
+    """The step with the prefill branch functions. Returns (out [B, 1, Hq, Dv], indices int32 [B, 1, Hkv, n])."""
+    cfg = cache.config
+    cache.append_step(*tokens, compress_fn=compress_fn)
+    B = q.shape[0]
+    sv = torch_step_view(q, cache)
+    ct, n = sv.qc.dtype, sv.n_cmp
+    o_cmp, p_cmp = branches.compressed_branch(
+        sv.qc, cache.k_cmp[:, :n].to(ct), cache.v_cmp[:, :n].to(ct), sv.seq_start + sv.cmp_local,
+        torch.ones(B, n, dtype=torch.bool, device=q.device), sv.t_glob, sv.seq_start, cfg, sv.scale)
+    scores = branches.selection_scores(p_cmp, sv.cmp_local, sv.n_sel_blocks, cfg)
+    indices = branches.top_n_blocks(scores, sv.pos, cfg)
+    o_sel = branches.selected_branch(sv.qc, cache.k_sel, cache.v_sel, indices, sv.pos, torch.zeros_like(sv.pos), cfg,
+                                     sv.scale)
+    o_win = branches.sliding_branch(sv.qc, cache.k_win.to(ct), cache.v_win.to(ct), sv.win_key_pos, sv.t_glob,
+                                    sv.seq_start, cfg, sv.scale)
     g = gates.to(ct)
     out = (g[..., 0:1] * o_cmp.flatten(2, 3) + g[..., 1:2] * o_sel.flatten(2, 3)
            + g[..., 2:3] * o_win.flatten(2, 3)).to(q.dtype)

@@ -129,8 +129,11 @@ def _small_cache(gen, lengths=(2, 5), max_len=8, dtype=torch.float64):
 
 
 def _token(gen, B, dtype=torch.float64, Hq=4, Hkv=2, Dk=8, Dv=6):
-    return (torch.randn(B, 1, Hq, Dk, generator=gen, dtype=dtype), torch.randn(B, 1, Hkv, Dk, generator=gen, dtype=dtype),
-            torch.randn(B, 1, Hkv, Dv, generator=gen, dtype=dtype), torch.rand(B, 1, Hq, 3, generator=gen, dtype=dtype))
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    gates = torch.rand(B, 1, Hq, 3, generator=gen, dtype=dtype)
+    return rnd(B, 1, Hq, Dk), rnd(B, 1, Hkv, Dk), rnd(B, 1, Hkv, Dv), gates
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -168,7 +171,7 @@ def test_overflow_of_one_sequence_is_refused_before_writing(gen):
     (lambda q, k, v, g: (q.float(), k.float(), v.float(), g), "dtype"),
     (lambda q, k, v, g: (q, k[..., :4], v, g), "k head dim"),
     (lambda q, k, v, g: (q, k, v[:, :, :1], g), "v must have Hkv=2"),
-    (lambda q, k, v, g: (q.expand(2, 2, 4, 8), k.expand(2, 2, 2, 8), v.expand(2, 2, 2, 6), g.expand(2, 2, 4, 3)), "T=1"),
+    (lambda q, k, v, g: tuple(x.expand(2, 2, *x.shape[2:]) for x in (q, k, v, g)), "T=1"),
 ])
 def test_bad_step_inputs_leave_cache_untouched(gen, mutate, match):
     _, cache = _small_cache(gen)

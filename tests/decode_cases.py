@@ -78,8 +78,9 @@ def decode_rows(case: RaggedCase) -> list[torch.Tensor]:
             for s in range(case.steps)]
 
 
-def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backend: str = "torch") -> NSACache:
-    """A cache holding every sequence's prompt, filled by one packed nsa_prefill."""
+def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backend: str | None = "torch") -> NSACache:
+    """A cache holding every sequence's prompt, filled by one packed nsa_prefill (prefill_backend=None: by
+    NSACache.write alone, without computing the prompts' attention)."""
     f = case.full
     q = f["q"]
     Hkv, Dk, Dv = f["k"].shape[2], f["k"].shape[3], f["v"].shape[3]
@@ -94,8 +95,11 @@ def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backe
     def take(x):
         return x[:, rows]
 
-    nsa_prefill(take(q), take(f["k"]), take(f["v"]), take(f["g"]), cache, cu_seqlens=cu_t, backend=prefill_backend,
-                compress_fn=case.compress_fn, **case.branch_kv(take))
+    if prefill_backend is None:
+        cache.write(take(f["k"]), take(f["v"]), cu_seqlens=cu_t, compress_fn=case.compress_fn, **case.branch_kv(take))
+    else:
+        nsa_prefill(take(q), take(f["k"]), take(f["v"]), take(f["g"]), cache, cu_seqlens=cu_t,
+                    backend=prefill_backend, compress_fn=case.compress_fn, **case.branch_kv(take))
     return cache
 
 

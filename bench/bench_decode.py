@@ -42,6 +42,8 @@ between batches, untimed):
   speedup_vs_dense = dense_ms / step_ms; fa_kvcache_ms: flash_attn_with_kvcache (ragged natively), when the
                   flash-attn package is installed
   check_rel_err / check_idx_agree  the step's output and blocks against the torch step on the same state
+  target_programs / splits  the Triton step's program target and split plan (--tune: the held-to cells again
+                  with other targets)
 A JSON sidecar (CSV path with .json) holds the environment, the arguments and the rows.
 """
 
@@ -95,6 +97,7 @@ COLUMNS = [
     "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio", "tbps", "hbm_tbps", "hbm_frac",
     "dense_ms", "dense_eager_ms", "dense_graph_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
     "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
+    "target_programs", "splits",
 ]
 
 
@@ -133,6 +136,9 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the torch step")
     p.add_argument("--max-seconds", type=float, default=None, help="stop starting new rows after this long")
+    p.add_argument("--tune", default=None, help="fill mode, CUDA: also measure the held-to cells with these "
+                   "program targets of the Triton step, as multiples of the SM count (default with --sweep: 2,8; "
+                   "the step's own default is 4)")
     args = p.parse_args(argv)
     args.fill = bool(args.preset or args.sweep or args.smoke)
 
@@ -159,6 +165,10 @@ def parse_args(argv=None):
         args.ragged = ints(args.ragged_S, "ragged_S") if args.ragged_S else (list(RAGGED_S) if args.sweep else [])
     else:
         args.S = ints(args.S_list or "512,1024,2048,4096", "S_list")
+    try:
+        args.tune_ = [float(x) for x in (args.tune or ("2,8" if args.sweep else "")).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--tune must be comma-separated numbers, got {args.tune!r}")
     if args.iters < 1 or args.warmup < 0 or args.inner < 1 or args.repeats < 1:
         p.error("--iters, --inner and --repeats must be >= 1 and --warmup >= 0")
     return args
@@ -314,7 +324,34 @@ def check_against_torch(cache, q, k, v, g, restore, backend) -> tuple[float, flo
     return err, float(same.float().mean())
 
 
-def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype) -> dict:
+@contextlib.contextmanager
+def decode_tuning(target_programs: int | None):
+    """Run with another program target of the Triton decode step (its workspace is keyed by the tuning)."""
+    if target_programs is None:
+        yield
+        return
+    from nsa.kernels.triton import decode as kd
+
+    saved = kd.TUNING
+    kd.TUNING = kd.Tuning(target_programs=target_programs)
+    try:
+        yield
+    finally:
+        kd.TUNING = saved
+
+
+def split_plan(cache, Hq: int) -> tuple:
+    """(target programs, split plan) of the Triton step's workspace for this cache, if it has one."""
+    ws = next((w for key, w in cache.workspaces.items() if key[:2] == ("triton_decode", Hq)), None)
+    return (ws.target_programs, ws.describe()) if ws is not None else (None, None)
+
+
+def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype, target=None) -> dict:
+    with decode_tuning(target):
+        return _fill_row(preset, S, B, lengths, args, device, dtype)
+
+
+def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype) -> dict:
     shp = PRESETS[preset]
     cfg = NSAConfig(block_cmp=shp["l"], stride_cmp=shp["d"], block_sel=shp["l_sel"], n_sel=shp["n_sel"],
                     window=shp["w"])
@@ -337,6 +374,7 @@ def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtyp
         telemetry.reset()
         _, stats = nsa_decode(q, k, v, g, cache, backend=args.backend, return_stats=True)
         row["backend"] = ",".join(sorted(telemetry.served("sel")))
+        row["target_programs"], row["splits"] = split_plan(cache, Hq)
         restore()
         out = torch.empty(B, 1, Hq, Dv, device=device, dtype=dtype)
 
@@ -389,7 +427,12 @@ def fill_cells(args):
             B = 8 if not args.smoke else 3
             cells.append((preset, S, B, [max(1, round(S * (i + 1) / B)) for i in range(B)]))
     first = [c for key in FIRST for c in cells if c[:3] == key and len(set(c[3])) == 1]
-    return first + [c for c in cells if c not in first]
+    cells = [c + (None,) for c in first + [c for c in cells if c not in first]]
+    if args.tune_ and args.device_.type == "cuda":
+        sms = torch.cuda.get_device_properties(args.device_).multi_processor_count
+        tuned = [c[:4] + (int(f * sms),) for c in cells[:len(first)] for f in args.tune_]
+        cells = cells[:len(first)] + tuned + cells[len(first):]
+    return cells
 
 
 # --- layer mode --------------------------------------------------------------------------------------------
@@ -508,10 +551,11 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     con = console()
+    args.device_ = device
     if args.fill:
-        cells = [(f"{p} S={S} B={B}{' ragged' if len(set(L)) > 1 else ''}",
-                  lambda p=p, S=S, B=B, L=L: fill_row(p, S, B, L, args, device, dtype))
-                 for p, S, B, L in fill_cells(args)]
+        cells = [(f"{p} S={S} B={B}{' ragged' if len(set(L)) > 1 else ''}{f' target={t}' if t else ''}",
+                  lambda p=p, S=S, B=B, L=L, t=t: fill_row(p, S, B, L, args, device, dtype, t))
+                 for p, S, B, L, t in fill_cells(args)]
     else:
         cells = [(f"S={S}", lambda S=S: layer_row(S, args, device, dtype)) for S in args.S]
     rows, t0, skipped = [], time.perf_counter(), []

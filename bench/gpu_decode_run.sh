@@ -75,16 +75,17 @@ def num(x):
         return float("nan")
 
 print(f"{'preset':6} {'S':>6} {'B':>3} {'ragged':>12} {'graph ms':>9} {'eager ms':>9} {'dense ms':>9} {'x dense':>8} "
-      f"{'TB/s':>6} {'HBM %':>6} {'KV MiB':>8} {'check':>8} {'blocks=':>7} backend")
+      f"{'TB/s':>6} {'HBM %':>6} {'KV MiB':>8} {'check':>8} {'blocks=':>7} {'target':>6} splits")
 for r in rows:
     print(f"{r['preset']:6} {r['S']:>6} {r['B']:>3} {r['ragged'] or '-':>12} {num(r['step_graph_ms']):9.4f} "
           f"{num(r['step_eager_ms']):9.4f} {num(r['dense_ms']):9.4f} {num(r['speedup_vs_dense']):8.2f} "
           f"{num(r['tbps']):6.2f} {100 * num(r['hbm_frac']):6.1f} {num(r['kv_bytes']) / 2**20:8.1f} "
-          f"{num(r['check_rel_err']):8.1e} {num(r['check_idx_agree']):7.3f} {r['backend']}")
+          f"{num(r['check_rel_err']):8.1e} {num(r['check_idx_agree']):7.3f} {r['target_programs'] or '-':>6} "
+          f"{r['splits'] or r['backend']}")
 print("\nheld to (paper heads, bf16, CUDA-graph replay vs dense FA-2 decode):")
 def find(S, B):
     return next((r for r in rows if r["preset"] == "paper" and int(r["S"]) == S and int(r["B"]) == B
-                 and not r["ragged"]), None)
+                 and not r["ragged"]), None)  # the first such row: the step's default tuning
 for (S, B, need, what) in ((65536, 8, 5.0, ">= 5x faster"), (65536, 1, 1.0, "at most as long"),
                            (8192, 8, 1.0, "at most as long")):
     r = find(S, B)

@@ -297,22 +297,27 @@ def _sel_kernel(
 
 @triton.jit
 def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, rg, rdv, dv_ok, BLOCK_G: tl.constexpr, DV_TILE: tl.constexpr,
-                 BLOCK_DV: tl.constexpr):
-    """Softmax-merge partials [p0, p1) of one (b, KV head): the normalised output [G, DV_TILE] (0 if empty)."""
+                 BLOCK_DV: tl.constexpr, PART_CHUNK: tl.constexpr):
+    """Softmax-merge partials [p0, p1) of one (b, KV head): the normalised output [G, DV_TILE] (0 if empty).
+    PART_CHUNK partials per iteration, loaded as one [chunk, G, DV_TILE] tile (a few iterations, not one per
+    partial)."""
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, DV_TILE], tl.float32)
-    for p in range(p0, p1):
-        part = bh * n_parts + p
-        m_p = tl.load(PM + part * BLOCK_G + rg)
-        l_p = tl.load(PL + part * BLOCK_G + rg)
-        a_p = tl.load(PACC + (part * BLOCK_G + rg[:, None]) * BLOCK_DV + rdv[None, :], mask=dv_ok[None, :], other=0.0)
-        m_new = tl.maximum(m, m_p)
+    for c0 in range(p0, p1, PART_CHUNK):
+        rp = c0 + tl.arange(0, PART_CHUNK)
+        ok = rp < p1
+        part = bh * n_parts + rp
+        m_p = tl.load(PM + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=float("-inf"))
+        l_p = tl.load(PL + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=0.0)
+        a_p = tl.load(PACC + (part[:, None, None] * BLOCK_G + rg[None, :, None]) * BLOCK_DV + rdv[None, None, :],
+                      mask=ok[:, None, None] & dv_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_p, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        beta = tl.exp2(m_p - m_safe)
-        lsum = lsum * alpha + l_p * beta
-        acc = acc * alpha[:, None] + a_p * beta[:, None]
+        beta = tl.exp2(m_p - m_safe[None, :])  # [chunk, G]; 0 for empty partials
+        lsum = lsum * alpha + tl.sum(l_p * beta, 0)
+        acc = acc * alpha[:, None] + tl.sum(a_p * beta[:, :, None], 0)
         m = m_new
     return acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
 
@@ -321,7 +326,7 @@ def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, rg, rdv, dv_ok, BLOCK_G: tl.
 def _combine_kernel(
     POS, SEQ, PM, PL, PACC, GATES, OUT,
     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
-    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, PART_CHUNK: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     dt = tl.program_id(1)
@@ -331,10 +336,13 @@ def _combine_kernel(
     rdv = dt * DV_TILE + tl.arange(0, DV_TILE)
     g_ok = rg < G
     dv_ok = rdv < Dv
-    o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV)
     p1 = n_cmp_parts + n_win_parts
-    o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV)
-    o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV)
+    o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
+                         PART_CHUNK)
+    o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
+                         PART_CHUNK)
+    o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
+                         PART_CHUNK)
     heads = h * G + rg
     gp = GATES + b * sg_b + heads * sg_h
     g_cmp = tl.load(gp, mask=g_ok, other=0.0).to(tl.float32)
@@ -384,6 +392,7 @@ class DecodeWorkspace:
             target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
         else:
             target = 64
+        self.target_programs = target
         per_bh = max(1, _cdiv(target, BH))
         bn = self.BLOCK_N
         NB = cache.cmp_capacity
@@ -408,6 +417,7 @@ class DecodeWorkspace:
         self.SPLIT_PAD = _np2(self.n_split_cmp)
         self.BLOCK_L = _np2(cfg.block_cmp)
         self.DV_TILE = min(32, self.BLOCK_DV)
+        self.PART_CHUNK = 16 if self.BLOCK_G <= 16 else 8  # [chunk, G, DV_TILE] fp32 tile per merge iteration
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
         self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
@@ -417,6 +427,11 @@ class DecodeWorkspace:
         self.cand = torch.empty(BH, self.n_cand, dtype=torch.int64, device=device)
         self.scores = torch.zeros(BH, self.NJ, **f32)
         self.indices = torch.empty(B, 1, Hkv, cfg.n_sel, dtype=torch.int32, device=device)
+
+    def describe(self) -> str:
+        """The split plan, e.g. "cmp17x256/win8x64/sel16x1/chunks5x256" (programs x items per program)."""
+        return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
+                f"sel{self.n_split_sel}x{self.slots_per_prog}/chunks{self.n_chunks}x{self.CHUNK_J}")
 
 
 def _last_dim_contiguous(x):
@@ -493,7 +508,8 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,
         gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
         ws.n_split_cmp, ws.n_split_win,
-        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, **_launch_opts(device, 4),
+        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, PART_CHUNK=ws.PART_CHUNK,
+        **_launch_opts(device, 4),
     )
     return out, idx
 

@@ -418,6 +418,11 @@ class DecodeWorkspace:
         self.BLOCK_L = _np2(cfg.block_cmp)
         self.DV_TILE = min(32, self.BLOCK_DV)
         self.PART_CHUNK = 16 if self.BLOCK_G <= 16 else 8  # [chunk, G, DV_TILE] fp32 tile per merge iteration
+        if device.type == "cuda":
+            smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
+            kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
+            self.stages_cmp = _stages(self.BLOCK_N * kv_row, smem, low)
+            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
         self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
@@ -434,14 +439,31 @@ class DecodeWorkspace:
                 f"sel{self.n_split_sel}x{self.slots_per_prog}/chunks{self.n_chunks}x{self.CHUNK_J}")
 
 
+def _max_shared_mem(device) -> int:
+    """Opt-in shared memory per program of the device (bytes), as Triton's own resource checks see it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except (AttributeError, KeyError, TypeError):  # a Triton without the query: size for sm86-class GPUs
+        return 99 * 1024
+
+
+def _stages(tile_bytes: int, smem: int, low_precision: bool) -> int:
+    """Pipeline depth of a K/V tile loop: 3 for 16-bit tiles (2 for fp32), fewer where shared memory is short
+    (32 KiB kept for everything else the kernel stages)."""
+    fit = max(1, (smem - 32 * 1024) // tile_bytes)
+    return int(min(3 if low_precision else 2, fit))
+
+
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch_opts(device, warps: int, stages: int | None = None) -> dict:
+def _launch_opts(device, warps: int, ws=None, stages: str | None = None) -> dict:
+    """Launch options on CUDA (the interpreter takes none); `stages` names the workspace's pipeline depth."""
     if device.type != "cuda":
         return {}
-    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": getattr(ws, stages)}
 
 
 def workspace_for(cache, Hq: int, tuning: Tuning | None = None) -> DecodeWorkspace:
@@ -487,7 +509,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
         ws.n_parts, qk_scale,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
-        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **_launch_opts(device, 4, 3),
+        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **_launch_opts(device, 4, ws, "stages_cmp"),
     )
     _score_topk_kernel[(ws.n_chunks, BH)](
         ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
@@ -502,7 +524,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.slots_per_prog, qk_scale,
         BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
         NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
-        IEEE=ieee, **_launch_opts(device, 4, 2),
+        IEEE=ieee, **_launch_opts(device, 4, ws, "stages_sel"),
     )
     _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
         ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,

@@ -235,8 +235,8 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
         R=r, C=c, K_BACK=-(-c // r), STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
-        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)), EVEN_D=_np2(Dk) == Dk and Dk >= 16,
-        IEEE=q.dtype == torch.float32,
+        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
+        EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32,
         num_warps=warps, **meta,
     )
     return idx

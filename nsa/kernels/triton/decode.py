@@ -221,13 +221,14 @@ def _score_topk_kernel(
     jt = t // BLOCK_SEL
     free = (j <= jt) & (j < NJ) & (j >= N_INIT) & (j <= jt - N_LOCAL)  # candidates that are not forced
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)  # scores >= +0: bit order == value order
-    key = tl.where(free, (bits << 32) + (2147483647 - j), -1)
+    jr = tl.arange(0, CHUNK_J)
+    key = tl.where(free, (bits << 32) + (2147483647 - j), -1 - jr)  # distinct; non-candidates below 0
+    # The chunk's N_SEL best by rank (how many keys are larger), placed by a one-hot sum: one pass, no
+    # serial rounds of max-and-remove.
+    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
     rk = tl.arange(0, N_PAD)
-    cand = tl.full([N_PAD], -1, tl.int64)
-    for r in tl.static_range(N_SEL):
-        kmax = tl.max(key, 0)
-        cand = tl.where(rk == r, kmax, cand)
-        key = tl.where(key == kmax, -1, key)
+    cand = tl.sum(tl.where(rank[:, None] == rk[None, :], key[:, None], 0), 0)
+    cand = tl.where(cand >= 0, cand, -1)
     tl.store(CAND + (bh * n_chunks + c) * N_SEL + rk, cand, mask=rk < N_SEL)
 
 
@@ -362,7 +363,7 @@ def _combine_kernel(
 class Tuning:
     """How the step is split. target_programs: programs per launch to aim for (default: 4 per SM);
     block_n: keys per tile (default 64, 32 for head dims > 128); chunk_j: selection blocks per scoring
-    program (default: up to 256). Tests shrink them to exercise many splits on tiny shapes."""
+    program (default: up to 64). Tests shrink them to exercise many splits on tiny shapes."""
 
     target_programs: int | None = None
     block_n: int | None = None
@@ -407,7 +408,10 @@ class DecodeWorkspace:
         self.n_split_sel = _cdiv(cfg.n_sel, self.slots_per_prog)
         self.n_parts = self.n_split_cmp + self.n_split_win + self.n_split_sel
         self.NJ = cfg.n_sel_blocks(cache.max_len)
-        cj = tuning.chunk_j or min(256, max(16, _np2(self.NJ)))
+        # 64 selection blocks per scoring program: many programs even for one sequence, and a cheap rank-based
+        # top-n per chunk (64 x 64 comparisons).
+        cj = tuning.chunk_j or min(64, max(16, _np2(self.NJ)))
+        cj = max(cj, _np2(cfg.n_sel))
         cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 4096)))  # at most 4096 candidates to merge
         self.CHUNK_J = cj
         self.n_chunks = _cdiv(self.NJ, cj)
@@ -416,8 +420,8 @@ class DecodeWorkspace:
         self.NC_PAD = _np2(self.n_cand)
         self.SPLIT_PAD = _np2(self.n_split_cmp)
         self.BLOCK_L = _np2(cfg.block_cmp)
-        self.DV_TILE = min(32, self.BLOCK_DV)
-        self.PART_CHUNK = 16 if self.BLOCK_G <= 16 else 8  # [chunk, G, DV_TILE] fp32 tile per merge iteration
+        self.DV_TILE = min(16, self.BLOCK_DV)  # more combine programs: the merge is latency-bound
+        self.PART_CHUNK = 32 if self.BLOCK_G <= 16 else 16  # [chunk, G, DV_TILE] fp32 tile per merge iteration
         if device.type == "cuda":
             smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
             kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem

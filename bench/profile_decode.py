@@ -23,10 +23,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default="8192x8,65536x8,65536x1", help="SxB,...")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--chunk-j", default="", help="comma list of Tuning.chunk_j values to compare (default: as is)")
     args = ap.parse_args(argv)
     dev, cfg, dtype = torch.device("cuda"), NSAConfig(), torch.bfloat16
     Hq, Hkv, D = 64, 4, 128
-    for cell in args.cells.split(","):
+    from nsa.kernels.triton import decode as kdecode
+
+    chunks = [int(x) for x in args.chunk_j.split(",") if x] or [None]
+    for cell, cj in ((c, j) for c in args.cells.split(",") for j in chunks):
+        kdecode.TUNING = kdecode.Tuning(chunk_j=cj)
         S, B = (int(x) for x in cell.split("x"))
         gen = torch.Generator(device=dev).manual_seed(0)
         cache = NSACache(cfg, B, S + args.steps + 8, Hkv, D, D, device=dev, dtype=dtype)
@@ -43,7 +48,7 @@ def main(argv=None):
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 times[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         total = sum(times.values()) / args.steps
-        print(f"S={S} B={B}: GPU time per step {total:.1f} us")
+        print(f"S={S} B={B} chunk_j={cj}: GPU time per step {total:.1f} us")
         for name, t in sorted(times.items(), key=lambda x: -x[1])[:8]:
             print(f"    {t / args.steps:8.1f} us  {name[:90]}")
 

@@ -2,9 +2,9 @@
 
 Tiny shapes, fp32 kernels against the fp64 torch selected branch (autograd) and the fp64 oracle
 (nsa.reference): outputs and dq/dk/dv for G in {1, 2, 3, 4, 16}, Dk != Dv, -1 padding, empty rows, blocks
-longer than one kernel tile, packed input with empty and length-1 sequences starting anywhere, blocks
-with several chunks (partials + reduce), bitwise equal repeated runs; and the reverse index and the work
-plan against Python-built ones. dq/dk/dv are poisoned (NaN) before the kernels run, so an
+longer than one kernel tile, packed input with empty and length-1 sequences starting anywhere, repeated
+blocks, blocks with several chunks (partials + reduce), bitwise equal repeated runs; and the reverse index
+and the work plan against Python-built ones. dq/dk/dv are poisoned (NaN) before the kernels run, so an
 element no kernel writes fails the test.
 """
 
@@ -213,6 +213,25 @@ def test_packed_with_empty_and_length_one_sequences(gen, monkeypatch):
     gates[..., 1] = 1
     oracle = nsa_reference(q, k, v, gates, cfg, cu_seqlens=cu, block_indices=idx)
     assert rel(out, oracle.o_sel) < TOL
+
+
+def test_repeated_blocks_count_once(gen):
+    """Direct callers may name a block twice ([0, 2, 2]): counted once, as in the reference."""
+    B, T, Hkv, G, ls = 1, 30, 1, 2, 8
+    q, k, v = inputs(gen, B, T, Hkv, G, 16, 16)
+    ss = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.arange(T)
+    idx = torch.stack([torch.zeros_like(pos), (pos // ls).clamp(max=2), (pos // ls).clamp(max=2)], -1)
+    idx = idx[None, :, None, :].expand(B, T, Hkv, 3).clone()
+    idx[0, 25, 0] = torch.tensor([1, 1, 1])
+    out, _, _ = kernel_and_fp64(gen, q, k, v, idx, ss, ls)  # against the deduplicated fp64 branch
+    unique = torch.where(idx[..., 2:] == idx[..., 1:2], -1, idx[..., 2:])
+    once = selected_attention_triton(q, k, v, torch.cat([idx[..., :2], unique], -1), ss, ls)
+    torch.testing.assert_close(out, once, rtol=0, atol=0)
+    gates = torch.zeros(B, T, Hkv * G, 3, dtype=torch.float64)
+    gates[..., 1] = 1
+    cfg = NSAConfig(block_cmp=8, stride_cmp=8, block_sel=ls, n_sel=3, n_init=1, n_local=1, window=8)
+    assert rel(out, nsa_reference(q, k, v, gates, cfg, block_indices=idx).o_sel) < TOL
 
 
 def test_no_atomics_left_in_the_selection_kernels():

@@ -27,6 +27,8 @@ import torch
 
 from . import selection_bwd  # imports triton: nsa.kernels.triton.available() relies on it
 
+from ...ops import branches
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_BLOCK_G = 64
@@ -92,21 +94,23 @@ class SelectedAttentionTriton(torch.autograd.Function):
 
 
 def _prep_index(indices, seq_start, B, T, device):
-    idx = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
+    # A block named twice in a row counts once (as in the reference): deduplicated on the device.
+    idx = branches.dedupe_indices(indices.to(device)).to(torch.int32)
     if seq_start is None:
         ss = torch.zeros(B, T, dtype=torch.int32, device=device)
     else:
         ss = seq_start.to(device=device, dtype=torch.int32)
         if ss.dim() == 1:
             ss = ss[None].expand(B, T)
-    return idx.to(device), ss
+    return idx, ss
 
 
 def selected_attention_triton(q, k, v, indices, seq_start, cfg, scale=None, return_lse=False):
     """Selected-branch attention over the whole T (no query chunking), differentiable in q, k, v.
 
     q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv]; indices [B, T, Hkv, n] local block ids
-    (ascending not required, -1 = none, no repeats); seq_start [B, T] (or [T], or None for dense input).
+    (ascending not required, -1 = none, a repeated block counts once: deduplicated on the device);
+    seq_start [B, T] (or [T], or None for dense input).
     cfg: an NSAConfig (block_sel is used) or the block size as an int. Returns o [B, T, Hq, Dv] in q's
     dtype (and the fp32 LSE [B, T, Hq] when return_lse).
     """

@@ -61,7 +61,7 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 
 def case_inputs(G, Dk, Dv, dtype, T=256, Hkv=2, ls=64, n=4):
     from nsa import NSAConfig
-    from nsa.ops import branches
+    from nsa.branches.selected.naive import top_n_blocks
 
     gen = torch.Generator().manual_seed(0)
     Hq = G * Hkv
@@ -72,7 +72,7 @@ def case_inputs(G, Dk, Dv, dtype, T=256, Hkv=2, ls=64, n=4):
     lse = torch.randn(1, T, Hq, generator=gen)
     cfg = NSAConfig(block_cmp=32, stride_cmp=16, block_sel=ls, n_sel=n, n_init=1, n_local=2, window=64)
     pos = torch.arange(T)[None]
-    idx = branches.top_n_blocks(torch.rand(1, T, Hkv, cfg.n_sel_blocks(T), generator=gen), pos, cfg).int()
+    idx = top_n_blocks(torch.rand(1, T, Hkv, cfg.n_sel_blocks(T), generator=gen), pos, cfg).int()
     return q, k, v, o, lse, idx, torch.zeros(1, T, dtype=torch.int32), ls
 
 

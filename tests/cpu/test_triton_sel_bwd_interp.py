@@ -25,12 +25,11 @@ if "nsa.kernels.triton.selection_bwd" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from nsa import NSAConfig, nsa_reference  # noqa: E402
+from nsa.branches.selected import naive  # noqa: E402
 from nsa.kernels.triton import reverse_index, selection_bwd  # noqa: E402
-from nsa.kernels.triton.reference import selected_attention_torch  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
-from nsa.ops import branches  # noqa: E402
 
-from .test_triton_sel_interp import inputs, random_indices  # noqa: E402
+from .test_triton_sel_interp import inputs, random_indices, selected_attention_torch  # noqa: E402
 
 if "Interpreted" not in type(selection_bwd._sel_bwd_dq_kernel).__name__:
     pytest.skip("the kernel modules were loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
@@ -63,7 +62,7 @@ def kernel_and_fp64(gen, q, k, v, idx, ss, ls):
     go = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), go.to(out.dtype))
     xd = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = selected_attention_torch(*xd, branches.dedupe_indices(idx), ss, ls)
+    ref = selected_attention_torch(*xd, naive.dedupe_indices(idx), ss, ls)
     want = torch.autograd.grad(ref, xd, go)
     assert rel(out, ref) < TOL, ("o", rel(out, ref))
     for name, a, b in zip("qkv", got, want):
@@ -122,7 +121,7 @@ def test_work_plan_covers_each_entry_once(gen):
     B, T = ss.shape
     idx = random_indices(gen, ss, B, T, H, n, ls, pad_prob=0.0)
     idx[0, :, :, 0] = torch.where(torch.arange(T) - ss[0] >= 0, 0, -1)[:, None]  # block 0 of each sequence: long lists
-    idx = branches.dedupe_indices(idx)
+    idx = naive.dedupe_indices(idx)
     plan = selection_bwd.plan_backward(idx.to(torch.int32), ss.to(torch.int32), ls, chunk)
     rix = reverse_index.build_reverse_index(idx.to(torch.int32), ss.to(torch.int32), ls)
     lists, lengths = python_reverse_index(idx, ss, ls)
@@ -178,7 +177,7 @@ def test_several_chunks_per_block_and_bitwise_repeats(gen, monkeypatch):
     ss = torch.zeros(B, T, dtype=torch.long)
     idx = random_indices(gen, ss, B, T, Hkv, 3, ls, pad_prob=0.1)
     chunk = selection_bwd.bwd_config(G, 16, 8, ls, q.dtype, q.device)["chunk"]
-    plan = selection_bwd.plan_backward(branches.dedupe_indices(idx).to(torch.int32), ss.to(torch.int32), ls, chunk)
+    plan = selection_bwd.plan_backward(naive.dedupe_indices(idx).to(torch.int32), ss.to(torch.int32), ls, chunk)
     assert chunk == 3 and int(plan.n_reduce) >= 2, "the test must exercise the partials"
     _, first, go = kernel_and_fp64(gen, q, k, v, idx, ss, ls)
     again = torch.autograd.grad(selected_attention_triton(q, k, v, idx, ss, ls), (q, k, v), go.float())
@@ -207,7 +206,7 @@ def test_packed_with_empty_and_length_one_sequences(gen, monkeypatch):
     q, k, v = inputs(gen, 1, T, Hkv, G, 16, 8)
     cfg = NSAConfig(block_cmp=4, stride_cmp=4, block_sel=ls, n_sel=3, n_init=1, n_local=1, window=4)
     pos = torch.arange(T)[None] - ss
-    idx = branches.top_n_blocks(torch.rand(1, T, Hkv, cfg.n_sel_blocks(T), generator=gen), pos, cfg)
+    idx = naive.top_n_blocks(torch.rand(1, T, Hkv, cfg.n_sel_blocks(T), generator=gen), pos, cfg)
     out, _, _ = kernel_and_fp64(gen, q, k, v, idx, ss, ls)
     gates = torch.zeros(1, T, Hkv * G, 3, dtype=torch.float64)
     gates[..., 1] = 1

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from triton_sel_helpers import MARKS, PAPER, SMALL, err, topn_indices
+from triton_sel_helpers import MARKS, PAPER, SMALL, err, selected_attention_torch, topn_indices
 
 pytestmark = MARKS
 
@@ -41,7 +41,6 @@ def seq_start_of(lengths):
 
 def check_vs_fp64(gen, q, k, v, idx, ss, cfg, tol, chunk=256):
     """Kernel forward + backward vs fp64 autograd of the torch selected branch (same indices)."""
-    from nsa.kernels.triton.reference import selected_attention_torch
     from nsa.kernels.triton.selection import selected_attention_triton
 
     out = selected_attention_triton(q, k, v, idx, ss, cfg)
@@ -132,7 +131,6 @@ def test_backward_offsets_past_2_pow_31(gen):
     T = 2**31 // (Hq * D) + 3 * ls
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("needs ~30 GiB of GPU memory")
-    from nsa.kernels.triton.reference import selected_attention_torch
     from nsa.kernels.triton.selection import selected_attention_triton
 
     q = torch.empty(1, T, Hq, D, device="cuda", dtype=dtype).normal_().requires_grad_()

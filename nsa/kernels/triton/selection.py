@@ -27,8 +27,6 @@ import torch
 
 from . import selection_bwd  # imports triton: nsa.kernels.triton.available() relies on it
 
-from ...ops import branches
-
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_BLOCK_G = 64
@@ -93,9 +91,17 @@ class SelectedAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _dedupe(indices):
+    """A block named twice in a row counts once (as in the reference): one sort on the device, repeats
+    become -1 (the kernels take -1 anywhere in a row). No host sync."""
+    s = indices.sort(dim=-1).values
+    repeat = torch.zeros_like(s, dtype=torch.bool)
+    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
+    return torch.where(repeat, torch.full_like(s, -1), s)
+
+
 def _prep_index(indices, seq_start, B, T, device):
-    # A block named twice in a row counts once (as in the reference): deduplicated on the device.
-    idx = branches.dedupe_indices(indices.to(device)).to(torch.int32)
+    idx = _dedupe(indices.to(device=device, dtype=torch.int32))
     if seq_start is None:
         ss = torch.zeros(B, T, dtype=torch.int32, device=device)
     else:

@@ -9,12 +9,15 @@ LSE (exp2 domain); delta = rowsum(dO * O) is computed by the dq kernel (fp32) an
   the forward does (rows = the G query heads, padded to 16), with a flat pipelinable loop over
   (block, sub-tile) and masks instead of branches (an index of -1 gives an all-false mask).
 - dk/dv: through the reverse index (nsa.kernels.triton.reverse_index): each work item is a chunk of at
-  most CHUNK queries of one block; a program stacks QT query tokens x BG heads as the rows of tl.dot,
+  most CHUNK_ROWS / G queries of one block; a program stacks QT query tokens x BG heads as the rows of tl.dot,
   recomputes S^T = K_blk q^T, P^T, dP^T = V_blk dO^T, dS^T and accumulates dV += P^T dO and
   dK += dS^T q in fp32 registers over its chunk (masks: u > t, the block tail, padding rows). A block
   longer than the tile is split into sub-tiles (separate work). Persistent programs take the items
   biggest first. A block with one chunk writes dK/dV directly; a block with several writes fp32 partials
   that a second kernel sums in chunk order. No atomics anywhere, so two runs give identical bits.
+  The partials' buffer has a static size (no host sync): 2*B*T*Hkv*n / chunk blocks of l' x (Dk + Dv)
+  fp32, about B*T*Hq*(Dk + Dv) bytes at the defaults with n*l' = 1024 (1.1 GB at T=64k, Hq=64, D=128);
+  only the blocks with several chunks are written.
 
 Tile sizes, warps, stages and the chunk length are chosen in one place, `bwd_config`, ready for tuning.
 Offsets are int64 where a stride times an index can pass 2**31. fp32 inputs use IEEE fp32 dots.

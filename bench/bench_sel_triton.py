@@ -260,6 +260,7 @@ def main(argv=None):
             row["speedup_fwd_bwd"] = dense_ms / (row["fwd_ms"] + row["bwd_ms"])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        write_csv(out_dir / "bench_sel_triton.csv", rows, columns=COLUMNS)  # after every point: a kill keeps them
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_csv(out_dir / "bench_sel_triton.csv", rows, columns=COLUMNS)

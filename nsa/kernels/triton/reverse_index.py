@@ -96,7 +96,9 @@ class WorkPlan:
     `queries`), partial slot or -1); the first n_items[0] rows are real. A block whose list fits in one
     chunk (or is empty: its dK/dV are zeros) has one item that writes dK/dV directly; a block with several
     chunks writes one fp32 partial per chunk, reduced in chunk order by the rows of `reduce`
-    [n_keys + 1, 5] (b*Hkv + h, block start, block length, first partial, end partial), n_reduce[0] real.
+    [n_keys, 5] (b*Hkv + h, block start, block length, first partial, end partial), the first
+    n_reduce[0] real, most partials first. Only stable sorts, integer cumulative sums and gathers: the
+    plan is the same on every run.
     """
 
     queries: torch.Tensor  # the reverse index's query lists (ReverseIndex.queries)
@@ -146,18 +148,13 @@ def plan_work(rix: ReverseIndex, chunk: int) -> WorkPlan:
     order = torch.argsort(size, descending=True, stable=True)
     items = items[order].contiguous()
 
-    # reduce rows: one per multi-chunk block, most partials first
-    rank = torch.cumsum(multi.long(), 0) - multi.long()
-    dst = torch.where(multi, rank, torch.full_like(rank, K))  # single-chunk blocks go to a dump row
+    # reduce rows: the multi-chunk blocks first, most partials first (a stable sort, no scatter)
     kk = torch.arange(K, device=dev)
     kb = kk.div(rix.T, rounding_mode="floor")
     ks = kk % rix.T
     rows = torch.stack([kb, ks, block_len_of(rix, kb, ks), part_first, part_incl], 1)
-    reduce = torch.zeros(K + 1, REDUCE_FIELDS, dtype=torch.int64, device=dev)
-    reduce.scatter_(0, dst[:, None].expand(K, REDUCE_FIELDS), rows)
-    reduce[K] = 0
-    order = torch.argsort(reduce[:, 4] - reduce[:, 3], descending=True, stable=True)
-    reduce = reduce[order].contiguous()
+    order = torch.argsort(torch.where(multi, -nch, torch.ones_like(nch)), stable=True)
+    reduce = rows[order].contiguous()
     n_reduce = multi.long().sum().reshape(1)
     return WorkPlan(queries=rix.queries, items=items, n_items=n_items, reduce=reduce, n_reduce=n_reduce,
                     n_partials_bound=partials_bound(E, chunk), chunk=chunk)

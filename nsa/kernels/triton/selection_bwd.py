@@ -199,7 +199,7 @@ def _sel_bwd_dkdv_kernel(
     dk_ok = rdk < Dk
     dv_ok = rdv < Dv
     for w in range(pid, n_work, n_prog):
-        item = ITEMS + (w // N_SUB) * N_FIELDS  # w is int64: the bound n_work is
+        item = ITEMS + (w // N_SUB) * N_FIELDS  # w is int64 (n_work, its bound, is)
         c = (w % N_SUB) * BLOCK_N
         bh = tl.load(item)
         s0 = tl.load(item + 1)

@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_backward_kernels_compile_for_sm90():
-    if importlib.util.find_spec("triton") is None:
+    spec = importlib.util.find_spec("triton")
+    if spec is None:
         pytest.skip("triton is not installed (the CPU lock pins it)")
+    if not (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton has no ptxas (the CPU image prunes it)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "triton_sel_compile_check.py"), "--quick",
                           "--D", "128"], capture_output=True, text=True, env=env, timeout=600)

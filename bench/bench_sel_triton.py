@@ -198,11 +198,12 @@ def prepare_device(args):
             raise SystemExit("bench_sel_triton needs a CUDA GPU (or --smoke: tiny, on CPU)")
         return torch.device("cuda")
     # The smoke runs the kernels in Triton's interpreter; it must be chosen before the kernels are defined.
-    if "nsa.kernels.triton.selection" not in sys.modules:
+    if not {"nsa.kernels.triton.selection_fwd", "nsa.kernels.triton.selection_bwd"} & set(sys.modules):
         os.environ["TRITON_INTERPRET"] = "1"
-    from nsa.kernels.triton import selection
+    from nsa.kernels.triton import selection_bwd, selection_fwd
 
-    if "Interpreted" not in type(selection._sel_fwd_kernel).__name__:
+    if not all("Interpreted" in type(k).__name__ for k in (selection_fwd._sel_fwd_kernel,
+                                                            selection_bwd._sel_bwd_dq_kernel)):
         raise SystemExit("--smoke: the kernels were loaded without TRITON_INTERPRET=1 in this process")
     return torch.device("cpu")
 

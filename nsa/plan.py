@@ -218,12 +218,10 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
     for name, s in steps.items():
-        if T == 0:
-            s.fn = None if name != "combine" else s.fn
-        elif timing and s.fn is not None:
+        if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
-    return Plan("fused" if fused and T > 0 else "chunked", steps)
+    return Plan("fused" if fused else "chunked", steps)  # T == 0 never runs either (nsa.pipeline.run)
 
 
 # --- the Triton steps, bound lazily so that planning never imports triton ----------------------------------

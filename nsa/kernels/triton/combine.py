@@ -26,19 +26,32 @@ def _rows(R, T, Hq, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _gates(G, b, t, h, ok, s0, s1, s2, s3):
+    """The three gates of each row, fp32, as [rows, 1] columns."""
+    gp = G + b * s0 + t * s1 + h * s2
+    g0 = tl.load(gp, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(gp + s3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(gp + 2 * s3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    return g0, g1, g2
+
+
+@triton.jit
+def _tile(X, b, t, h, d, m, s0, s1, s2, s3):
+    """[rows, BLOCK_D] of a [B, T, Hq, Dv] tensor, fp32."""
+    return tl.load(X + (b * s0 + t * s1 + h * s2)[:, None] + d[None, :] * s3, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _combine_fwd(G, A, S, W, O, R, T, Hq, Dv,
                  sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3, sw0, sw1, sw2, sw3,
                  so0, so1, so2, so3, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     ok, b, t, h = _rows(R, T, Hq, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     m = ok[:, None] & (d < Dv)[None, :]
-    gp = G + b * sg0 + t * sg1 + h * sg2
-    g0 = tl.load(gp, mask=ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(gp + sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(gp + 2 * sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
-    a = tl.load(A + (b * sa0 + t * sa1 + h * sa2)[:, None] + d[None, :] * sa3, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(S + (b * ss0 + t * ss1 + h * ss2)[:, None] + d[None, :] * ss3, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(W + (b * sw0 + t * sw1 + h * sw2)[:, None] + d[None, :] * sw3, mask=m, other=0.0).to(tl.float32)
+    g0, g1, g2 = _gates(G, b, t, h, ok, sg0, sg1, sg2, sg3)
+    a = _tile(A, b, t, h, d, m, sa0, sa1, sa2, sa3)
+    s = _tile(S, b, t, h, d, m, ss0, ss1, ss2, ss3)
+    w = _tile(W, b, t, h, d, m, sw0, sw1, sw2, sw3)
     out = g0 * a + g1 * s + g2 * w
     tl.store(O + (b * so0 + t * so1 + h * so2)[:, None] + d[None, :] * so3, out.to(O.dtype.element_ty), mask=m)
 
@@ -52,14 +65,11 @@ def _combine_bwd(G, A, S, W, DO, DG, DA, DS, DW, R, T, Hq, Dv,
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = ok[:, None] & (d < Dv)[None, :]
-    gp = G + b * sg0 + t * sg1 + h * sg2
-    g0 = tl.load(gp, mask=ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(gp + sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(gp + 2 * sg3, mask=ok, other=0.0).to(tl.float32)[:, None]
-    do = tl.load(DO + (b * sd0 + t * sd1 + h * sd2)[:, None] + d[None, :] * sd3, mask=m, other=0.0).to(tl.float32)
-    a = tl.load(A + (b * sa0 + t * sa1 + h * sa2)[:, None] + d[None, :] * sa3, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(S + (b * ss0 + t * ss1 + h * ss2)[:, None] + d[None, :] * ss3, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(W + (b * sw0 + t * sw1 + h * sw2)[:, None] + d[None, :] * sw3, mask=m, other=0.0).to(tl.float32)
+    g0, g1, g2 = _gates(G, b, t, h, ok, sg0, sg1, sg2, sg3)
+    do = _tile(DO, b, t, h, d, m, sd0, sd1, sd2, sd3)
+    a = _tile(A, b, t, h, d, m, sa0, sa1, sa2, sa3)
+    s = _tile(S, b, t, h, d, m, ss0, ss1, ss2, ss3)
+    w = _tile(W, b, t, h, d, m, sw0, sw1, sw2, sw3)
     off = r[:, None] * Dv + d[None, :]
     tl.store(DA + off, (g0 * do).to(DA.dtype.element_ty), mask=m)
     tl.store(DS + off, (g1 * do).to(DS.dtype.element_ty), mask=m)

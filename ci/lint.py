@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -294,24 +294,15 @@ def run_checks(root: Path, only: Iterable[str] | None = None) -> list[Result]:
     return results
 
 
-@dataclass
-class Report:
-    results: list[Result] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.results)
-
-    def render(self) -> str:
-        lines = []
-        for r in self.results:
-            status = "SKIP" if r.skipped else ("PASS" if r.ok else "FAIL")
-            lines.append(f"{status}  {r.name}" + (f"  ({r.skipped})" if r.skipped else ""))
-            if not r.ok and r.output:
-                lines.extend("      " + line for line in r.output.splitlines())
-        failed = [r.name for r in self.results if not r.ok]
-        lines.append(f"lint: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
-        return "\n".join(lines)
+def render(results: list[Result]) -> str:
+    lines = []
+    for r in results:
+        lines.append(f"{'SKIP' if r.skipped else 'PASS' if r.ok else 'FAIL'}  {r.name}"
+                     + (f"  ({r.skipped})" if r.skipped else ""))
+        if not r.ok and r.output:
+            lines.extend("      " + line for line in r.output.splitlines())
+    failed = [r.name for r in results if not r.ok]
+    return "\n".join([*lines, f"lint: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,10 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--only", default="", help="comma-separated subset of checks")
     args = ap.parse_args(argv)
-    only = [o for o in args.only.split(",") if o] or None
-    report = Report(run_checks(args.root, only))
-    print(report.render())
-    return 0 if report.ok else 1
+    results = run_checks(args.root, [o for o in args.only.split(",") if o] or None)
+    print(render(results))
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def run_all(commands: list[str], cwd: Path, env: dict[str, str]) -> int:
     return 0
 
 
-def quickstart(python: str, library: bool = False, keep: bool = False) -> int:
+def quickstart(python: str, library: bool = False) -> int:
     exe = find_python(python)
     if exe is None:
         print(f"quickstart: no Python {python} on this machine: skipped")
@@ -167,8 +167,6 @@ def quickstart(python: str, library: bool = False, keep: bool = False) -> int:
             examples = home / "examples.py"
             examples.write_text("\n".join(readme_blocks("Using it", "python")))
             rc = run_all([*install, f"cd {home} && ~/nsa-env/bin/python {examples.name}"], clone, env)
-        if keep:
-            shutil.copytree(clone / "artifacts", ROOT / "artifacts" / f"quickstart-py{python}", dirs_exist_ok=True)
     what = "Quick start" + (", library install and examples" if library else "")
     print(f"quickstart: Python {python}: the README's {what} {'passed' if rc == 0 else 'FAILED'} "
           f"in {time.monotonic() - t0:.0f} s")
@@ -179,12 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.quickstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default="{}.{}".format(*sys.version_info), help="Python X.Y (default: this one)")
     ap.add_argument("--library", action="store_true", help="then the library install and the README's examples")
-    ap.add_argument("--keep-artifacts", action="store_true", help="copy the clone's artifacts/ here")
     ap.add_argument("--mirror", metavar="CELL", help="run the command after -- with CELL's index served locally")
     ap.add_argument("command", nargs="*", help="with --mirror: the command to run")
     args = ap.parse_args(argv)
     if not args.mirror:
-        return quickstart(args.python, args.library, args.keep_artifacts)
+        return quickstart(args.python, args.library)
     matrix = load()
     with local_index(matrix, matrix.get(args.mirror)) as index_env:
         return subprocess.run(args.command, env={**os.environ, **index_env}).returncode

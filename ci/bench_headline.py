@@ -2,10 +2,14 @@
 
     python -m ci.bench_headline --out bench-headline.json [--device cuda] [--full] [--repeats 5]
 
-Figures (all "lower is better", milliseconds; dtype bf16 on CUDA, fp32 on CPU; paper block sizes):
-  prefill_fwd_ms       nsa_attention forward, B=1, T=4096 (--full: 16384), Hq=16, Hkv=2, D=128
-  prefill_fwd_bwd_ms   the same forward plus backward w.r.t. q, k, v, gates
+Figures (dtype bf16 on CUDA, fp32 on CPU; paper block sizes):
+  prefill_fwd_ms       nsa_attention forward, B=1, T=4096 (--full: 16384), Hq=16, Hkv=2, D=128 (ms, lower is better)
+  prefill_fwd_bwd_ms   the same forward plus backward w.r.t. q, k, v, gates (ms, lower is better)
   decode_step_ms       one nsa_decode step after a prefill of S=4096 (--full: 16384) tokens into an NSACache
+                       (ms, lower is better)
+  speedup_fwd_bwd_vs_fa2_8k, _64k   CUDA only: dense causal FA-2 forward+backward time (SDPA, flash backend,
+                       GQA) over nsa_attention's, both measured in each repeat, paper heads (Hq=64, Hkv=4,
+                       D=128), T=8192 and 65536 (x, higher is better: the reason NSA exists)
 Each figure: `warmup` untimed calls, then `repeats` repeats of `iters` back-to-back calls timed with a
 device synchronization at both ends; a repeat's value is the mean per call and the figure is the median
 of the repeats (the spread is recorded as min/max). The clock is wall time on CUDA and this process's CPU
@@ -76,6 +80,47 @@ def _inputs(shape, device, dtype, requires_grad=False, seed=0):
     return out
 
 
+SPEEDUP_T = (8192, 65536)
+SPEEDUP_SHAPE = dict(B=1, Hq=64, Hkv=4, D=128)
+
+
+def speedup_vs_fa2(T: int, device, dtype, cfg, slow, sync, clock, *, warmup: int, repeats: int) -> dict:
+    """Median over repeats of dense FA-2 fwd+bwd ms / NSA fwd+bwd ms (NSA slowed by NSA_TEST_SLOWDOWN)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nsa import nsa_attention
+
+    q, k, v, g = _inputs(dict(SPEEDUP_SHAPE, T=T), device, dtype, requires_grad=True)
+    go = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(3)).to(device, dtype)
+
+    def nsa_fwd_bwd():
+        torch.autograd.grad(nsa_attention(q, k, v, g, cfg), (q, k, v, g), go)
+
+    def dense_fwd_bwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+        torch.autograd.grad(o, (q, k, v), go.transpose(1, 2))
+
+    nsa_fn = slow(nsa_fwd_bwd)
+    one = dict(sync=sync, warmup=0, iters=1, repeats=1, clock=clock)
+    for _ in range(warmup):
+        nsa_fn()
+        dense_fwd_bwd()
+    ratios, nsa_ms, dense_ms = [], [], []
+    for _ in range(repeats):
+        n = measure(nsa_fn, **one)["value"]
+        d = measure(dense_fwd_bwd, **one)["value"]
+        ratios.append(d / n)
+        nsa_ms.append(n)
+        dense_ms.append(d)
+    return {"value": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "repeats": ratios,
+            "iters": 1, "warmup": warmup, "unit": "x", "better": "higher", "T": T, **SPEEDUP_SHAPE,
+            "nsa_fwd_bwd_ms": statistics.median(nsa_ms), "dense_fa2_fwd_bwd_ms": statistics.median(dense_ms)}
+
+
 def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int | None = None,
         warmup: int | None = None, only: list[str] | None = None) -> dict:
     import torch
@@ -137,6 +182,13 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
 
         figures["decode_step_ms"] = measure(slow(step), iters=iters, **timed)
 
+    if device.startswith("cuda"):
+        for T in SPEEDUP_T:
+            name = f"speedup_fwd_bwd_vs_fa2_{T // 1024}k"
+            if name in want or only is None:
+                figures[name] = speedup_vs_fa2(T, device, dtype, NSAConfig(), slow, sync, clock, warmup=1,
+                                               repeats=min(repeats, 3))
+
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
     return {
         "schema": SCHEMA,
@@ -170,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     for name, f in res["figures"].items():
-        print(f"summary: {name} = {f['value']:.4f} ms (median of {len(f['repeats'])} repeats, "
+        print(f"summary: {name} = {f['value']:.4f} {f.get('unit', 'ms')} (median of {len(f['repeats'])} repeats, "
               f"min {f['min']:.4f}, max {f['max']:.4f})")
     return 0
 

@@ -138,7 +138,7 @@ class Matrix:
         """(driver of CUDA `cuda`'s GA release, floor through minor-version compatibility)."""
         drivers = self.upstream.get("cuda_driver", {})
         major = cuda.split(".")[0]
-        floor = self.upstream.get("cuda_driver_floor", {}).get(major)
+        floor = self.upstream.get("driver", {}).get(major)
         same_major = sorted((v for v in drivers if v.split(".")[0] == major), key=Version)
         if floor is None or not same_major:
             raise KeyError(f"CUDA {cuda}: no driver facts in [upstream.cuda_driver] (majors: {sorted(drivers)})")
@@ -349,8 +349,8 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
                 p.append(f"{w}: CUDA {cell.cuda} cannot build for sm {bad} (supports {supported})")
         if not cell.gpu_archs:
             p.append(f"{w}: a GPU cell must list gpu_archs")
-        if cell.cuda.split(".")[0] not in upstream.get("cuda_driver_floor", {}):
-            p.append(f"{w}: CUDA {cell.cuda} has no driver facts in [upstream.cuda_driver]")
+        if cell.cuda.split(".")[0] not in upstream.get("driver", {}):
+            p.append(f"{w}: CUDA major {cell.cuda.split('.')[0]} has no driver floor in [upstream.driver]")
 
     if local and not _is_sha256(cell.torch_sha256):
         p.append(f"{w}: torch {cell.torch} is not on PyPI: record its wheel's sha256 as torch_sha256")

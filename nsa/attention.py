@@ -54,7 +54,8 @@ class CompressMLP(nn.Module):
 class NSAAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, d_k: int, d_v: int,
                  config: NSAConfig | None = None, *, shared_kv: bool = False, rope_theta: float | None = 10000.0,
-                 gate_hidden: int | None = None, backend: str = "auto", bias: bool = False):
+                 gate_hidden: int | None = None, backend: str = "auto", bias: bool = False,
+                 decode_backend: str | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise NSAInputError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
@@ -64,6 +65,7 @@ class NSAAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.d_k, self.d_v = n_heads, n_kv_heads, d_k, d_v
         self.rope_theta = rope_theta
         self.backend = backend
+        self.decode_backend = decode_backend
         self.shared_kv = shared_kv
         self.q_proj = nn.Linear(dim, n_heads * d_k, bias=bias)
         kv_names = ("sel",) if shared_kv else BRANCHES
@@ -90,9 +92,10 @@ class NSAAttention(nn.Module):
         return NSACache(self.config, batch, max_len, self.n_kv_heads, self.d_k, self.d_v,
                         device=device or w.device, dtype=dtype or w.dtype)
 
-    def _positions(self, B, T, start, cu_seqlens, device):
+    def _positions(self, B, T, cu_seqlens, device):
+        """Prompt positions [B or 1, T]: 0.. per row, or per packed sequence with cu_seqlens."""
         if cu_seqlens is None:
-            return (start + torch.arange(T, device=device))[None].expand(B, T)
+            return torch.arange(T, device=device)[None].expand(B, T)
         tokens = torch.arange(T, device=device)
         cu = cu_seqlens.long()
         seq = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=cu.numel() - 2)
@@ -116,28 +119,41 @@ class NSAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None,
                 backend: str | None = None) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]. With a cache: prefill when it is empty, else decode T new tokens."""
+        """x [B, T, dim] -> [B, T, dim]. With a cache: prefill when it is empty, else decode T new tokens.
+
+        Prefill of prompts of different lengths: x [1, total, dim] packed with cu_seqlens (int32
+        [batch + 1]) into an empty cache of that batch; decode then takes x [batch, T, dim], each sequence
+        at its own position (cache.cache_seqlens). `backend` (else the module's) routes the prefill; decode
+        uses it too unless the module has a `decode_backend` (decode takes "auto", "torch", "triton").
+        """
         if x.dim() != 3:
             raise NSAInputError(f"x must be [B, T, dim], got shape {tuple(x.shape)}")
         B, T, _ = x.shape
-        if cache is not None and cu_seqlens is not None:
-            raise NSAInputError("cu_seqlens (packed training input) cannot be combined with a decode cache")
-        start = cache.length if cache is not None else 0
-        q, kv, gates = self.project(x, self._positions(B, T, start, cu_seqlens, x.device))
+        decoding = cache is not None and not cache.is_empty
+        if decoding and cu_seqlens is not None:
+            raise NSAInputError("cu_seqlens packs prompts for a prefill into an empty cache; decode takes x "
+                                "[batch, T, dim], one row per cached sequence")
+        if decoding:
+            positions = cache.cache_seqlens.long()[:, None] + torch.arange(T, device=x.device)
+        else:
+            positions = self._positions(B, T, cu_seqlens, x.device)
+        q, kv, gates = self.project(x, positions)
         k, v = kv["sel"]
         branch_kv = dict(kv_cmp=kv["cmp"], kv_win=kv["win"], compress_fn=self.compress_fn())
-        backend = backend or self.backend
+        prefill_backend = backend or self.backend
         if cache is None:
-            out = nsa_attention(q, k, v, gates, self.config, cu_seqlens=cu_seqlens, backend=backend, **branch_kv)
-        elif cache.length == 0:
-            out = nsa_prefill(q, k, v, gates, cache, backend=backend, **branch_kv)
+            out = nsa_attention(q, k, v, gates, self.config, cu_seqlens=cu_seqlens, backend=prefill_backend,
+                                **branch_kv)
+        elif not decoding:
+            out = nsa_prefill(q, k, v, gates, cache, cu_seqlens=cu_seqlens, backend=prefill_backend, **branch_kv)
         else:
+            step_backend = backend or self.decode_backend or self.backend
             steps = []
-            for t in range(T):  # decode: one token at a time through the cache
+            for t in range(T):  # decode: one token per sequence at a time through the cache
                 one = slice(t, t + 1)
                 steps.append(nsa_decode(q[:, one], k[:, one], v[:, one], gates[:, one], cache,
                                         kv_cmp=tuple(x_[:, one] for x_ in kv["cmp"]),
                                         kv_win=tuple(x_[:, one] for x_ in kv["win"]),
-                                        compress_fn=self.compress_fn()))
+                                        compress_fn=self.compress_fn(), backend=step_backend))
             out = torch.cat(steps, dim=1) if T > 1 else steps[0]
         return self.o_proj(out.flatten(2))

@@ -1,12 +1,24 @@
-"""The decode cache: what the three branches need, preallocated once.
+"""The decode cache: what the three branches need, preallocated once, for a batch of sequences of any lengths.
 
 - selected branch: raw K/V of every position, [B, max_len, Hkv, D] (selection may pick any past block);
-- sliding branch: a ring buffer of the last `window` K/V and the position held in each slot;
+- sliding branch: a ring buffer of the last `window` K/V (slot = position % window);
 - compressed branch: a ring of the last `block_cmp` raw K/V (to compress the next block) and the
   compressed K/V [B, max_blocks, Hkv, D], extended by one entry each time a block completes, i.e. at
   position t with t - l + 1 >= 0 and (t - l + 1) % d == 0.
-A decode step writes one slot of each buffer: no torch.cat over the history, no Python work that grows
-with it. Every sequence of the batch is at the same position (`length`, kept on the host).
+
+Lengths. `cache_seqlens` (int32 [B], on the cache's device) holds each sequence's length, as in serving
+engines (flash-attn's `flash_attn_with_kvcache`, vLLM): sequence b's next token goes to position
+`cache_seqlens[b]`. A prefill fills it (`write`, dense [B, T] input or sequences packed along T with
+`cu_seqlens`, B == 1, one entry per cache row); every decode step appends one token to every sequence at
+its own position. Nothing reads the lengths back to the host per step: the cache keeps a host-side copy
+(`host_seqlens()`, exact as long as the cache is written through this API) that is updated with integer
+arithmetic only (O(1) per decode step) and serves to size work and to refuse an overflow of `max_len`
+before anything is written.
+
+A decode step writes one slot of each buffer: no torch.cat over the history. Its writes only touch slots
+that are dead (ring slots of positions that no future query sees) or past the sequence's length, and the
+new length is published last (`cache_seqlens += 1`): a step that raises before that leaves the cache
+exactly as it was, as far as any later call can tell.
 """
 
 from __future__ import annotations
@@ -17,105 +29,340 @@ from .config import NSAConfig
 from .validation import NSAInputError
 
 
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise NSAInputError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def n_cmp_blocks_dev(length: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """Completed compressed blocks of sequences of the given lengths (device tensor, any int dtype)."""
+    full = torch.div(length - cfg.block_cmp, cfg.stride_cmp, rounding_mode="floor") + 1
+    return torch.where(length >= cfg.block_cmp, full, torch.zeros_like(full))
+
+
 class NSACache:
     def __init__(self, config: NSAConfig, batch: int, max_len: int, n_kv_heads: int, d_k: int, d_v: int,
                  *, device=None, dtype=torch.float32):
-        if max_len < 1:
-            raise NSAInputError(f"max_len must be >= 1, got {max_len}")
+        if not isinstance(config, NSAConfig):
+            raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
+        for name, value in (("batch", batch), ("max_len", max_len), ("n_kv_heads", n_kv_heads), ("d_k", d_k),
+                            ("d_v", d_v)):
+            _positive_int(name, value)
         self.config = config
         self.max_len = max_len
-        self.length = 0
         w = min(config.window, max_len)
         kw = dict(device=device, dtype=dtype)
         self.k_sel = torch.zeros(batch, max_len, n_kv_heads, d_k, **kw)
         self.v_sel = torch.zeros(batch, max_len, n_kv_heads, d_v, **kw)
         self.k_win = torch.zeros(batch, w, n_kv_heads, d_k, **kw)
         self.v_win = torch.zeros(batch, w, n_kv_heads, d_v, **kw)
-        self.win_pos = torch.full((w,), -1, dtype=torch.long, device=device)
         self.k_raw_cmp = torch.zeros(batch, config.block_cmp, n_kv_heads, d_k, **kw)
         self.v_raw_cmp = torch.zeros(batch, config.block_cmp, n_kv_heads, d_v, **kw)
         n_blocks = max(config.n_cmp_blocks(max_len), 1)
         self.k_cmp = torch.zeros(batch, n_blocks, n_kv_heads, d_k, **kw)
         self.v_cmp = torch.zeros(batch, n_blocks, n_kv_heads, d_v, **kw)
-        self.n_cmp = 0
+        self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=self.k_sel.device)
+        # Host copy of the lengths: per-sequence base (set by write) + decode steps since (O(1) per step).
+        self._base = [0] * batch
+        self._base_max = 0
+        self._base_min = 0
+        self._steps = 0
+        self.workspaces: dict = {}  # preallocated buffers of fast decode steps, keyed by their owner
 
+    # -- sizes -------------------------------------------------------------------------------------------
     @property
     def batch(self) -> int:
         return self.k_sel.shape[0]
 
-    def _check(self, name, x, D):
-        want = (self.batch, None, self.k_sel.shape[2], D)
-        if x.dim() != 4 or x.shape[0] != want[0] or x.shape[2] != want[2] or x.shape[3] != D:
-            raise NSAInputError(f"{name} must have shape [B={want[0]}, T, Hkv={want[2]}, {D}], got {tuple(x.shape)}")
-        if x.device != self.k_sel.device:
-            raise NSAInputError(f"{name} is on {x.device}, the cache on {self.k_sel.device}")
-        if x.dtype != self.k_sel.dtype:
-            raise NSAInputError(f"{name} has dtype {x.dtype}, the cache holds {self.k_sel.dtype}: "
-                                "create the cache with the model's dtype")
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k_sel.shape[2]
 
-    def write(self, k, v, kv_cmp=None, kv_win=None, compress_fn=None) -> None:
-        """Append T new tokens (prefill: T = prompt length; decode: T = 1). k, v [B, T, Hkv, D]."""
-        self._check("k", k, self.k_sel.shape[3])
-        self._check("v", v, self.v_sel.shape[3])
-        T = k.shape[1]
-        t0, t1 = self.length, self.length + T
-        if t1 > self.max_len:
-            raise NSAInputError(f"cache overflow: {t1} tokens > max_len={self.max_len}")
-        kc, vc = kv_cmp if kv_cmp is not None else (k, v)
-        kw, vw = kv_win if kv_win is not None else (k, v)
-        for name, x, D in (("kv_cmp[k]", kc, self.k_sel.shape[3]), ("kv_cmp[v]", vc, self.v_sel.shape[3]),
-                           ("kv_win[k]", kw, self.k_sel.shape[3]), ("kv_win[v]", vw, self.v_sel.shape[3])):
-            self._check(name, x, D)
-        cfg = self.config
-        with torch.no_grad():
-            self.k_sel[:, t0:t1] = k
-            self.v_sel[:, t0:t1] = v
-            # Window ring: only the last `w` of the new tokens can survive.
-            w = self.k_win.shape[1]
-            keep = torch.arange(max(t0, t1 - w), t1, device=self.win_pos.device)
-            slots = keep % w
-            self.k_win[:, slots] = kw[:, keep - t0].to(self.k_win.dtype)
-            self.v_win[:, slots] = vw[:, keep - t0].to(self.v_win.dtype)
-            self.win_pos[slots] = keep
-            # Compressed blocks completed by these tokens; their raw tokens come from the new input and
-            # the raw ring (tokens before t0).
-            first = cfg.n_cmp_blocks(t0)
-            last = cfg.n_cmp_blocks(t1)
-            if last > first:
-                starts = torch.arange(first, last, device=k.device) * cfg.stride_cmp
-                tok = starts[:, None] + torch.arange(cfg.block_cmp, device=k.device)  # [N, l]
-                kb = self._tokens(kc, self.k_raw_cmp, tok, t0)
-                vb = self._tokens(vc, self.v_raw_cmp, tok, t0)
-                if compress_fn is None:
-                    kcmp, vcmp = kb.mean(dim=2), vb.mean(dim=2)
-                else:
-                    B, N = kb.shape[:2]
-                    kcmp = compress_fn[0](kb.flatten(0, 1)).unflatten(0, (B, N))
-                    vcmp = compress_fn[1](vb.flatten(0, 1)).unflatten(0, (B, N))
-                self.k_cmp[:, first:last] = kcmp
-                self.v_cmp[:, first:last] = vcmp
-                self.n_cmp = last
-            keep = torch.arange(max(t0, t1 - cfg.block_cmp), t1, device=k.device)
-            self.k_raw_cmp[:, keep % cfg.block_cmp] = kc[:, keep - t0].to(self.k_raw_cmp.dtype)
-            self.v_raw_cmp[:, keep % cfg.block_cmp] = vc[:, keep - t0].to(self.v_raw_cmp.dtype)
-        self.length = t1
+    @property
+    def d_k(self) -> int:
+        return self.k_sel.shape[3]
 
-    def _tokens(self, new, ring, tok, t0):
-        """Raw tokens at positions tok [N, l]: from `new` when >= t0, else from the ring (position % l)."""
-        from_new = tok >= t0
-        idx_new = torch.where(from_new, tok - t0, torch.zeros_like(tok))
-        idx_ring = tok % ring.shape[1]
-        a = new[:, idx_new].to(ring.dtype)
-        b = ring[:, idx_ring]
-        return torch.where(from_new[None, :, :, None, None], a, b)
+    @property
+    def d_v(self) -> int:
+        return self.v_sel.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_sel.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_sel.device
+
+    @property
+    def window_slots(self) -> int:
+        return self.k_win.shape[1]
+
+    @property
+    def cmp_capacity(self) -> int:
+        return self.k_cmp.shape[1]
+
+    # -- host-side lengths (no device sync) -------------------------------------------------------------
+    def host_seqlens(self) -> list[int]:
+        """Each sequence's length as the host knows it (exact when the cache is written through this API)."""
+        return [x + self._steps for x in self._base]
+
+    @property
+    def max_seqlen_bound(self) -> int:
+        """Upper bound on max(cache_seqlens), kept on the host: sizes work and catches overflows early."""
+        return self._base_max + self._steps
+
+    @property
+    def min_seqlen(self) -> int:
+        return self._base_min + self._steps
+
+    @property
+    def is_empty(self) -> bool:
+        return self.max_seqlen_bound == 0
+
+    @property
+    def length(self) -> int:
+        """The common length of all sequences; a ragged cache has none (read `cache_seqlens` instead)."""
+        if self._base_max != self._base_min:
+            raise NSAInputError("the cache's sequences have different lengths (ragged batch): there is no single "
+                                "`length`; read `cache_seqlens` (device) or `host_seqlens()`")
+        return self._base_max + self._steps
+
+    @property
+    def n_cmp(self) -> int:
+        """Completed compressed blocks of every sequence (uniform caches only, like `length`)."""
+        return self.config.n_cmp_blocks(self.length)
 
     def reset(self) -> None:
-        self.length = 0
-        self.n_cmp = 0
-        self.win_pos.fill_(-1)
+        """Empty every sequence. Buffers are not cleared: whatever lies past a length is never read."""
+        self.cache_seqlens.zero_()
+        self._set_base([0] * self.batch)
 
-    def kv_bytes_read_per_step(self, n_selected_tokens: int) -> int:
-        """Bytes of K/V one decode step reads: compressed blocks + selected tokens + window, per batch row."""
-        per_tok = (self.k_sel.shape[3] + self.v_sel.shape[3]) * self.k_sel.shape[2] * self.k_sel.element_size()
-        n_win = min(self.length, self.k_win.shape[1])
-        return self.batch * per_tok * (self.n_cmp + n_selected_tokens + n_win)
+    def host_state(self) -> tuple:
+        """The host copy of the lengths, to put back after recording a step that did not run (graph capture)."""
+        return tuple(self._base), self._steps
+
+    def set_host_state(self, state: tuple) -> None:
+        base, steps = state
+        self._set_base(list(base))
+        self._steps = steps
+
+    def _set_base(self, lengths: list[int]) -> None:
+        self._base = list(lengths)
+        self._base_max = max(lengths)
+        self._base_min = min(lengths)
+        self._steps = 0
+
+    # -- validation ------------------------------------------------------------------------------------------
+    def check_tokens(self, name: str, x, D: int, *, batch: int | None = None) -> None:
+        """x must be [B, T, Hkv, D] in the cache's dtype, on its device (B = the cache's batch unless given)."""
+        B = self.batch if batch is None else batch
+        if not isinstance(x, torch.Tensor):
+            raise NSAInputError(f"{name} must be a torch.Tensor [B={B}, T, Hkv={self.n_kv_heads}, {D}], "
+                                f"got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[0] != B or x.shape[2] != self.n_kv_heads or x.shape[3] != D:
+            raise NSAInputError(f"{name} must have shape [B={B}, T, Hkv={self.n_kv_heads}, {D}], got {tuple(x.shape)}")
+        if x.device != self.device:
+            raise NSAInputError(f"{name} is on {x.device}, the cache on {self.device}")
+        if x.dtype != self.dtype:
+            raise NSAInputError(f"{name} has dtype {x.dtype}, the cache holds {self.dtype}: "
+                                "create the cache with the model's dtype")
+
+    def _branch_inputs(self, k, v, kv_cmp, kv_win, batch=None):
+        """Validate (k, v) and the per-branch pairs; return (k, v, kc, vc, kw, vw) with defaults filled in."""
+        self.check_tokens("k", k, self.d_k, batch=batch)
+        self.check_tokens("v", v, self.d_v, batch=batch)
+        pairs = {}
+        for name, kv in (("kv_cmp", kv_cmp), ("kv_win", kv_win)):
+            if kv is None:
+                pairs[name] = (k, v)
+                continue
+            if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
+                raise NSAInputError(f"{name} must be a (k, v) pair of tensors")
+            self.check_tokens(f"{name}[k]", kv[0], self.d_k, batch=batch)
+            self.check_tokens(f"{name}[v]", kv[1], self.d_v, batch=batch)
+            if kv[0].shape[1] != k.shape[1] or kv[1].shape[1] != k.shape[1]:
+                raise NSAInputError(f"{name} must hold as many tokens as k ({k.shape[1]}), got "
+                                    f"{kv[0].shape[1]} and {kv[1].shape[1]}")
+            pairs[name] = (kv[0], kv[1])
+        if v.shape[1] != k.shape[1]:
+            raise NSAInputError(f"v must hold as many tokens as k ({k.shape[1]}), got {v.shape[1]}")
+        return (k, v) + tuple(pairs["kv_cmp"]) + tuple(pairs["kv_win"])
+
+    def check_cu_seqlens(self, cu_seqlens, total: int) -> list[int]:
+        """Offsets of one sequence per cache row packed along T: int32 [batch + 1] on the cache's device."""
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise NSAInputError(f"cu_seqlens must be an int32 torch.Tensor [batch + 1 = {self.batch + 1}], got "
+                                f"{type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype != torch.int32:
+            raise NSAInputError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() != self.batch + 1:
+            raise NSAInputError(f"cu_seqlens must be 1-D with batch + 1 = {self.batch + 1} entries (one sequence per "
+                                f"cache row), got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != self.device:
+            raise NSAInputError(f"cu_seqlens is on {cu_seqlens.device}, the cache on {self.device}")
+        host = cu_seqlens.tolist()  # once per prefill, never per decode step
+        if host[0] != 0 or any(b < a for a, b in zip(host, host[1:])) or host[-1] != total:
+            raise NSAInputError(f"cu_seqlens must start at 0, be non-decreasing and end at the packed length {total}, "
+                                f"got {host[:16]}{'...' if len(host) > 16 else ''}")
+        return host
+
+    def check_room(self, new_tokens: list[int] | int) -> None:
+        """Refuse (before anything is written) a write that would pass max_len for any sequence."""
+        lengths = self.host_seqlens()
+        news = [new_tokens] * self.batch if isinstance(new_tokens, int) else new_tokens
+        over = [(b, n + x) for b, (n, x) in enumerate(zip(lengths, news)) if n + x > self.max_len]
+        if over:
+            b, need = over[0]
+            raise NSAInputError(f"cache overflow: sequence {b} would hold {need} tokens > max_len={self.max_len} "
+                                f"({len(over)} sequence(s) too long); create the cache with a larger max_len")
+
+    # -- writes ------------------------------------------------------------------------------------------
+    def write(self, k, v, kv_cmp=None, kv_win=None, compress_fn=None, *, cu_seqlens=None) -> None:
+        """Append new tokens to every sequence, each at its own length, and complete compressed blocks.
+
+        Dense input k, v [B, T, Hkv, D] (B = the cache's batch): T tokens per sequence. Packed input
+        k, v [1, total, Hkv, D] with cu_seqlens (int32 [batch + 1]): sequence b gets tokens
+        cu_seqlens[b]:cu_seqlens[b+1]. kv_cmp / kv_win: (k, v) of those branches when they have their own
+        projections; compress_fn: (phi_k, phi_v) for config.compress == "mlp". Runs on the device with
+        static shapes; O(tokens + window) work, plus the compressed blocks that complete.
+        """
+        if cu_seqlens is None:
+            k, v, kc, vc, kw, vw = self._branch_inputs(k, v, kv_cmp, kv_win)
+            T = k.shape[1]
+            news = [T] * self.batch
+        else:
+            k, v, kc, vc, kw, vw = self._branch_inputs(k, v, kv_cmp, kv_win, batch=1)
+            host = self.check_cu_seqlens(cu_seqlens, k.shape[1])
+            news = [b - a for a, b in zip(host, host[1:])]
+        if self.config.compress == "mlp" and compress_fn is None:
+            raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v)")
+        self.check_room(news)
+        if max(news) == 0:
+            return
+        lengths = self.host_seqlens()
+        device, B = self.device, self.batch
+        start = self.cache_seqlens.long()
+        if cu_seqlens is None:
+            T = news[0]
+            row0 = torch.arange(B, device=device) * T
+            n_new = torch.full((B,), T, dtype=torch.long, device=device)
+            b_of = torch.arange(B, device=device).repeat_interleave(T)
+            local = torch.arange(T, device=device).repeat(B)
+            flat = [x.reshape(B * T, *x.shape[2:]) for x in (k, v, kc, vc, kw, vw)]
+        else:
+            cu = cu_seqlens.long()
+            row0, n_new = cu[:-1], cu[1:] - cu[:-1]
+            tok = torch.arange(k.shape[1], device=device)
+            b_of = torch.searchsorted(cu[1:], tok, right=True)
+            local = tok - cu[b_of]
+            flat = [x[0] for x in (k, v, kc, vc, kw, vw)]
+        end = start + n_new
+        fk, fv, fkc, fvc, fkw, fvw = flat
+        cfg = self.config
+        with torch.no_grad():
+            pos = start[b_of] + local
+            self.k_sel[b_of, pos] = fk
+            self.v_sel[b_of, pos] = fv
+            # Compressed blocks completed by these tokens (before the raw ring moves on): their tokens come
+            # from the new input (positions >= start) or the raw ring (the last l - 1 before it).
+            i0 = cfg.n_cmp_blocks(min(lengths))
+            i1 = cfg.n_cmp_blocks(max(n + x for n, x in zip(lengths, news)))
+            if i1 > i0:
+                slots = torch.arange(i0, i1, device=device)
+                P = slots[:, None] * cfg.stride_cmp + torch.arange(cfg.block_cmp, device=device)  # [N, l]
+                rel = P[None] - start[:, None, None]  # [B, N, l]
+                from_new = rel >= 0
+                row = (row0[:, None, None] + rel).clamp(0, fk.shape[0] - 1)
+                ring = P % cfg.block_cmp
+                mask = from_new[..., None, None]
+                kb = torch.where(mask, fkc[row], self.k_raw_cmp[:, ring])  # [B, N, l, Hkv, Dk]
+                vb = torch.where(mask, fvc[row], self.v_raw_cmp[:, ring])
+                kcmp, vcmp = compress_blocks(kb, vb, compress_fn)
+                done = ((slots[None] >= n_cmp_blocks_dev(start, cfg)[:, None])
+                        & (slots[None] < n_cmp_blocks_dev(end, cfg)[:, None]))[..., None, None]
+                self.k_cmp[:, i0:i1] = torch.where(done, kcmp, self.k_cmp[:, i0:i1])
+                self.v_cmp[:, i0:i1] = torch.where(done, vcmp, self.v_cmp[:, i0:i1])
+            for ring_buf, src in ((self.k_win, fkw), (self.v_win, fvw), (self.k_raw_cmp, fkc), (self.v_raw_cmp, fvc)):
+                _ring_update(ring_buf, src, start, end, row0)
+            self.cache_seqlens.copy_(end.to(torch.int32))
+        self._set_base([n + x for n, x in zip(lengths, news)])
+
+    def append_step(self, k, v, kc, vc, kw, vw, compress_fn=None) -> None:
+        """Decode: write one validated token per sequence at its own position (k.. [B, 1, Hkv, D]).
+
+        Does not publish the new lengths (see `commit_step`): every slot written here is past the length
+        or dead, so an error before the commit leaves the cache as it was.
+        """
+        t = self.cache_seqlens.long()
+        b = torch.arange(self.batch, device=self.device)
+        with torch.no_grad():
+            self.k_sel[b, t] = k[:, 0]
+            self.v_sel[b, t] = v[:, 0]
+            slot = t % self.window_slots
+            self.k_win[b, slot] = kw[:, 0]
+            self.v_win[b, slot] = vw[:, 0]
+            slot = t % self.config.block_cmp
+            self.k_raw_cmp[b, slot] = kc[:, 0]
+            self.v_raw_cmp[b, slot] = vc[:, 0]
+            self.compress_step(compress_fn)
+
+    def compress_step(self, compress_fn=None) -> None:
+        """The compressed block completed by the token at position cache_seqlens (if any), from the raw ring."""
+        cfg = self.config
+        t = self.cache_seqlens.long()
+        b = torch.arange(self.batch, device=self.device)
+        rel = t + 1 - cfg.block_cmp
+        done = ((rel >= 0) & (rel % cfg.stride_cmp == 0))[:, None, None]
+        i = torch.div(rel, cfg.stride_cmp, rounding_mode="floor").clamp(0, self.cmp_capacity - 1)
+        slots = (t[:, None] + 1 + torch.arange(cfg.block_cmp, device=self.device)) % cfg.block_cmp  # oldest first
+        with torch.no_grad():
+            kcmp, vcmp = compress_blocks(self.k_raw_cmp[b[:, None], slots][:, None],
+                                         self.v_raw_cmp[b[:, None], slots][:, None], compress_fn)
+            self.k_cmp[b, i] = torch.where(done, kcmp[:, 0], self.k_cmp[b, i])
+            self.v_cmp[b, i] = torch.where(done, vcmp[:, 0], self.v_cmp[b, i])
+
+    def commit_step(self, on_device: bool = True) -> None:
+        """Publish one decode step: every length + 1 (on the device unless a kernel already did it)."""
+        if on_device:
+            self.cache_seqlens.add_(1)
+        self._steps += 1
+
+    # -- what the branches read ----------------------------------------------------------------------------
+    def window_positions(self, t: torch.Tensor) -> torch.Tensor:
+        """Position held by each window slot [B, W] once the token at t [B] is written (-1: empty)."""
+        W = self.window_slots
+        s = torch.arange(W, device=t.device)
+        p = t[:, None] - torch.remainder(t[:, None] - s[None], W)
+        return torch.where(p >= 0, p, torch.full_like(p, -1))
+
+    def workspace(self, key, factory):
+        """A preallocated buffer set of a fast decode path, made once per key and reused by every step."""
+        ws = self.workspaces.get(key)
+        if ws is None:
+            ws = self.workspaces[key] = factory()
+        return ws
+
+
+def compress_blocks(kb, vb, compress_fn=None):
+    """kb/vb [B, N, l, Hkv, D] -> compressed [B, N, Hkv, D]: the mean, or phi (compress_fn) over each block."""
+    if compress_fn is None:
+        return kb.mean(dim=2), vb.mean(dim=2)
+    B, N = kb.shape[:2]
+    return (compress_fn[0](kb.flatten(0, 1)).unflatten(0, (B, N)),
+            compress_fn[1](vb.flatten(0, 1)).unflatten(0, (B, N)))
+
+
+def _ring_update(ring, flat, start, end, row0) -> None:
+    """ring [B, W, ...] after appending tokens [start, end) of each sequence (rows row0 + i of flat).
+
+    Slot s ends up holding the latest position p < end with p = s (mod W): from the new tokens when
+    p >= start, else it keeps its old content. A gather over [B, W]: static shapes, no duplicate writes.
+    """
+    W = ring.shape[1]
+    s = torch.arange(W, device=ring.device)
+    p = end[:, None] - 1 - torch.remainder(end[:, None] - 1 - s[None], W)
+    from_new = p >= start[:, None]
+    row = (row0[:, None] + p - start[:, None]).clamp(0, flat.shape[0] - 1)
+    ring.copy_(torch.where(from_new[..., None, None], flat[row], ring))

@@ -7,11 +7,13 @@
     python -m nsa.env --check-lock [CELL|PATH]
                                          # installed distributions vs a cell's lock (missing, extra, wrong
                                          # version); exit 1 on drift. No CELL: the cell matching this torch.
-    python -m nsa.env doctor [--json] [--head-dim D ...]
+    python -m nsa.env doctor [--json] [--head-dim D ...] [--log FILE]
                                          # common failures explained, with the fix; exit 1 if any is an error
-Also installed as the console script `nsa-env`. Works without a GPU and without triton or flash-attn
-(they are reported as not installed, with the reason). Everything is computed from a report dict, so
-backend_availability() and diagnose() can be called (and tested) on a report made elsewhere.
+                                         # (nsa/doctor/)
+Also installed as the console script `nsa-env`. Works without a GPU, without triton or flash-attn (they
+are reported as not installed, with the reason) and outside a checkout (upstream facts ship as
+nsa/upstream.json). Everything is computed from a report dict, so backend_availability() and diagnose()
+can be called (and tested) on a report made elsewhere.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import os
 import platform
 import re
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from nsa import toolchain, upstream
 
 SCHEMA = "nsa-env/1"
 BACKENDS = ("reference", "torch", "sdpa", "torch_flash", "flash_attn", "triton_sel")
@@ -60,12 +63,11 @@ def _torch_facts() -> dict[str, Any]:
         "cudnn": None,
         "cxx11abi": None,
         "requires_triton": None,
+        "arch_list": None,
     }
-    # torch pins its triton in its own metadata (the CPU build pins none).
-    for req in (md.requires("torch") or []) if version else []:
-        m = re.match(r"(?i)^triton\s*==\s*([\w.]+)", req)
-        if m:
-            facts["requires_triton"] = m.group(1)
+    # torch pins its triton in its own metadata (the CPU build pins none): "3.6.0" exact, "~=3.8.0" a range.
+    if version:
+        facts["requires_triton"] = upstream.triton_pin_from_requires(md.requires("torch"))[1]
     if version is None:
         facts["error"] = "torch is not installed"
         return facts
@@ -79,6 +81,7 @@ def _torch_facts() -> dict[str, Any]:
         version=torch.__version__,
         cuda=torch.version.cuda,
         cxx11abi=bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)),
+        arch_list=torch.cuda.get_arch_list() if torch.version.cuda else [],  # [] without a visible GPU
     )
     if torch.backends.cudnn.is_available():
         facts["cudnn"] = torch.backends.cudnn.version()
@@ -152,6 +155,7 @@ def _flash_facts() -> dict[str, Any]:
     mod, why = _import("flash_attn") if version else (None, "flash-attn is not installed")
     dense_ok, dense_why = flash_attn_status(varlen=False)
     varlen_ok, varlen_why = flash_attn_status(varlen=True)
+    archs, archs_error = _flash_archs() if version else (None, "flash-attn is not installed")
     return {
         "installed": version is not None,
         "version": version,
@@ -161,7 +165,24 @@ def _flash_facts() -> dict[str, Any]:
         "reason": dense_why,
         "varlen_runnable": varlen_ok,
         "varlen_reason": varlen_why,
+        "archs": archs,
+        "archs_error": archs_error,
     }
+
+
+def _flash_archs() -> tuple[dict[str, list[str]] | None, str | None]:
+    """The GPU architectures flash-attn's extension carries, read from its file (no import, no toolkit)."""
+    from importlib.util import find_spec
+
+    from nsa.cuda_archs import fatbin_archs
+
+    try:
+        spec = find_spec("flash_attn_2_cuda")
+        if spec is None or not spec.origin:
+            return None, "flash_attn_2_cuda (flash-attn's CUDA extension) not found"
+        return fatbin_archs(spec.origin), None
+    except (OSError, ValueError, ImportError) as e:
+        return None, f"cannot read flash_attn_2_cuda's architectures: {e}"
 
 
 def _sdpa_facts() -> dict[str, Any]:
@@ -203,10 +224,12 @@ def collect() -> dict[str, Any]:
         "triton": _triton_facts(),
         "flash_attn": _flash_facts(),
         "torch_flash_varlen": {"available": tf_ok, "reason": tf_why},
-        # What the torch_flash backend calls (nsa/backends/torch_flash.py).
+        # What the torch_flash backend calls (nsa/kernels/fa2/torch_flash.py).
         "torch_flash_op": {"available": op_ok, "reason": op_why},
         "sdpa": _sdpa_facts(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        # What building flash-attn and Triton's launchers need (nsa-env doctor).
+        "toolchain": toolchain.facts(upstream.load().get("flash_attn_build", {}).get("modules", [])),
     }
     report["torch"]["expected_triton"] = expected_triton(report["torch"].get("version"))
     report["cell"] = guess_cell(report)
@@ -216,29 +239,22 @@ def collect() -> dict[str, Any]:
     return report
 
 
-# --- the configuration matrix (optional: present in a checkout, absent in an installed wheel) ------------
+# --- the configuration matrix's facts (shipped as nsa/upstream.json) ---------------------------------------
 
 
-def load_matrix() -> dict[str, Any] | None:
-    path = REPO / "requirements" / "matrix.toml"
-    if sys.version_info < (3, 11) or not path.exists():
-        return None
-    import tomllib
+def expected_triton(
+    torch_version: str | None, requires: list[str] | None = None, facts: dict[str, Any] | None = None
+) -> str | None:
+    """The triton torch pins here: "3.6.0" (exact) or a range such as "~=3.8.0" (torch >= 2.14).
 
-    with path.open("rb") as f:
-        return tomllib.load(f)
-
-
-def expected_triton(torch_version: str | None) -> str | None:
-    """The triton torch pins: its own metadata, else (CPU builds) the matrix's upstream table."""
+    From the installed torch's own metadata (`requires`: its Requires-Dist lines) where it names triton,
+    else (CPU builds pin none) from the matrix's record of that torch release, shipped with nsa."""
     if not torch_version:
         return None
-    requires = [r for r in (md.requires("torch") or []) if re.match(r"(?i)^triton\s*==", r)]
-    if requires:
-        return re.split(r"==", requires[0])[1].split(";")[0].strip()
-    m = load_matrix()
-    entry = (m or {}).get("upstream", {}).get("torch", {}).get(torch_version.split("+")[0], {})
-    return entry.get("triton")
+    mentioned, pin = upstream.triton_pin_from_requires(md.requires("torch") if requires is None else requires)
+    if mentioned:
+        return pin  # None where the pin's marker excludes this platform or Python
+    return upstream.triton_pin_for_torch(upstream.load() if facts is None else facts, torch_version)
 
 
 def guess_cell(report: dict[str, Any]) -> str | None:
@@ -356,10 +372,14 @@ def _same(a: str, b: str) -> bool:
         return a == b
 
 
-def check_lock(lock_text: str, installed: dict[str, str], variant: str | None = None) -> dict[str, Any]:
+def check_lock(
+    lock_text: str, installed: dict[str, str], variant: str | None = None, triton_pin: str | None = None
+) -> dict[str, Any]:
     """Compare installed distributions with a lock. `variant` (cpu, cu130) accepts a local label that
     names the same build: the lock's torch 2.11.0 (PyPI's CUDA 13.0 build) is installed 2.11.0+cu130
-    from PyTorch's index, and a URL wheel's +cu12torch2.8... label is not in the installed version."""
+    from PyTorch's index, and a URL wheel's +cu12torch2.8... label is not in the installed version.
+    `triton_pin` (expected_triton(): "3.6.0" or a range such as "~=3.8.0"): an installed triton outside
+    torch's pin is drift too, whatever the lock says."""
     locked = parse_lock(lock_text)
     result: dict[str, Any] = {
         "missing": [],
@@ -389,7 +409,11 @@ def check_lock(lock_text: str, installed: dict[str, str], variant: str | None = 
         (result["ignored"] if name in LOCK_IGNORED else result["extra"]).append(
             {"name": name, "installed": have}
         )
-    result["drift"] = bool(result["missing"] or result["extra"] or result["wrong_version"])
+    have_triton = installed.get("triton")
+    result["torch_triton"] = None
+    if triton_pin and have_triton and not upstream.pin_matches(have_triton, triton_pin):
+        result["torch_triton"] = {"torch": installed.get("torch"), "triton": have_triton, "torch_pins": triton_pin}
+    result["drift"] = bool(result["missing"] or result["extra"] or result["wrong_version"] or result["torch_triton"])
     return result
 
 
@@ -405,190 +429,6 @@ def find_lock(cell_or_path: str) -> Path:
         f"--check-lock: no lock for {cell_or_path!r} (looked for requirements/locks/{cell_or_path}.txt "
         f"under {Path.cwd()} and {REPO}); pass a cell id of requirements/matrix.toml or a lock path"
     )
-
-
-# --- doctor ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Finding:
-    code: str
-    severity: str  # "error" | "warning" | "info"
-    problem: str
-    fix: str
-
-
-def _flash_wheel_for(report: dict[str, Any], version: str) -> tuple[str, str]:
-    """(wheel file name matching this torch, whether upstream publishes it)."""
-    t, py = report["torch"], report["python"]["version"]
-    mm = ".".join(t["version"].split("+")[0].split(".")[:2])
-    cuda_major = (t.get("cuda") or "12").split(".")[0]
-    abi = "TRUE" if t.get("cxx11abi") else "FALSE"
-    cp = "cp" + "".join(py.split(".")[:2])
-    wheel = f"flash_attn-{version}+cu{cuda_major}torch{mm}cxx11abi{abi}-{cp}-{cp}-linux_x86_64.whl"
-    rel = ((load_matrix() or {}).get("upstream", {}).get("flash_attn", {}) or {}).get(version)
-    if rel is None:
-        return wheel, "unknown (docs/environments.md lists the published wheels)"
-    pyv = ".".join(py.split(".")[:2])
-    published = (
-        mm in rel["torch"]
-        and cuda_major in rel["cuda_major"]
-        and pyv in rel["python"]
-        and (abi == "TRUE") in rel["cxx11abi"]
-        and not any(ex.get("torch") == mm and ex.get("python") == pyv for ex in rel.get("exclude", []))
-    )
-    return wheel, "published upstream" if published else "NOT published upstream: build from source"
-
-
-def diagnose(report: dict[str, Any], head_dims: tuple[int, ...] = (128, 192)) -> list[Finding]:
-    """The common environment failures found in a report, each with its fix in plain words."""
-    f: list[Finding] = []
-    t, tr, fa, drv, gpus = (
-        report["torch"],
-        report["triton"],
-        report["flash_attn"],
-        report["driver"],
-        report["gpus"],
-    )
-    if not t.get("imports"):
-        f.append(
-            Finding(
-                "torch_missing",
-                "error",
-                t.get("error") or "torch does not import",
-                "Install a cell exactly: pip install --require-hashes --no-deps -r "
-                "requirements/locks/<cell>.txt (docs/environments.md).",
-            )
-        )
-        return f
-
-    want = t.get("expected_triton")
-    if want and tr.get("installed") and not _same(tr["version"], want):
-        f.append(
-            Finding(
-                "torch_triton_mismatch",
-                "error",
-                f"triton {tr['version']} is installed but torch {t['version']} pins triton {want}; "
-                "kernels fail to compile or crash with the wrong one.",
-                f"pip install triton=={want} (never upgrade triton on its own; it moves with torch).",
-            )
-        )
-    elif want and not tr.get("installed"):
-        f.append(
-            Finding(
-                "triton_missing",
-                "warning" if gpus else "info",
-                f"triton is not installed (torch {t['version']} pairs with triton {want}); the Triton "
-                "selection kernel cannot run.",
-                f"pip install triton=={want}",
-            )
-        )
-
-    err = fa.get("error") or ""
-    if fa.get("installed") and "undefined symbol" in err:
-        wheel, status = _flash_wheel_for(report, fa.get("version") or "2.8.3")
-        f.append(
-            Finding(
-                "flash_attn_abi",
-                "error",
-                f"flash_attn {fa.get('version')} fails to import with an undefined symbol: its wheel was "
-                f"built for another torch, CUDA major or C++ ABI than torch {t['version']}.",
-                f"pip uninstall -y flash-attn, then install the wheel built for this torch: {wheel} "
-                f"({status}); else build it: pip install flash-attn=={fa.get('version')} "
-                "--no-build-isolation (hours; MAX_JOBS limits memory).",
-            )
-        )
-    elif fa.get("installed") and not fa.get("imports"):
-        f.append(
-            Finding(
-                "flash_attn_import",
-                "error",
-                f"flash_attn does not import: {err}",
-                "Reinstall the flash-attn of your cell (docs/environments.md).",
-            )
-        )
-
-    old = [g for g in gpus if float(g["sm"]) < FA2_MIN_SM]
-    if old:
-        names = ", ".join(f"{g['name']} (sm {g['sm']})" for g in old)
-        f.append(
-            Finding(
-                "fa2_sm_unsupported",
-                "warning",
-                f"FlashAttention-2 has no kernels for {names}; it needs "
-                "sm >= 8.0 (Ampere, Ada, Hopper, Blackwell).",
-                "Nothing to install: NSA falls back to the sdpa/torch backends on these GPUs.",
-            )
-        )
-    for d in head_dims:
-        if d > FA2_MAX_HEAD_DIM:
-            f.append(
-                Finding(
-                    "fa2_head_dim",
-                    "warning",
-                    f"head dim {d} > {FA2_MAX_HEAD_DIM}: FlashAttention-2 "
-                    "(flash-attn and torch's varlen_attn) does not support it.",
-                    "Use head dims <= 256; NSA uses the sdpa/torch backends for larger ones.",
-                )
-            )
-        elif d % 8:
-            f.append(
-                Finding(
-                    "fa2_head_dim",
-                    "warning",
-                    f"head dim {d} is not a multiple of 8: torch's flash "
-                    "kernels refuse it and flash-attn pads it (slower).",
-                    "Use a multiple of 8.",
-                )
-            )
-
-    if t.get("cuda") and drv.get("cuda"):
-        need, have = t["cuda"], drv["cuda"]
-        nmaj, nmin = (int(x) for x in need.split(".")[:2])
-        hmaj, hmin = (int(x) for x in have.split(".")[:2])
-        if hmaj < nmaj:
-            f.append(
-                Finding(
-                    "driver_too_old",
-                    "error",
-                    f"the NVIDIA driver {drv.get('version') or ''} supports CUDA up to {have}; torch "
-                    f"{t['version']} is built for CUDA {need}: CUDA calls fail (no kernel image / "
-                    "driver insufficient).",
-                    f"Upgrade the driver to one for CUDA {need}, or install a cell built for CUDA "
-                    f"{hmaj}.x (`python -m ci.matrix list`).",
-                )
-            )
-        elif hmaj == nmaj and hmin < nmin:
-            f.append(
-                Finding(
-                    "driver_minor_older",
-                    "warning",
-                    f"the driver supports CUDA {have}, torch is built for {need}: it runs through CUDA "
-                    "minor-version compatibility, but JIT of newer PTX fails.",
-                    f"Upgrade the driver to one for CUDA {need} when you can.",
-                )
-            )
-    if t.get("cuda") and not gpus:
-        f.append(
-            Finding(
-                "no_gpu",
-                "info",
-                f"torch {t['version']} is a CUDA build but sees no GPU.",
-                "Check nvidia-smi, CUDA_VISIBLE_DEVICES and the container's --gpus flag.",
-            )
-        )
-    ada = [g for g in gpus if g["sm"] == ADA_SM]
-    if ada and report.get("env", {}).get("NSA_TRITON_SEL_FORCE") != "1":
-        f.append(
-            Finding(
-                "ada_triton_sel_off",
-                "info",
-                f"{ada[0]['name']} is Ada (sm 8.9): the Triton selection kernel is off by default there "
-                "(it was slower than the packed SDPA path and failed parity at some shapes).",
-                "Nothing to fix. For tests only: NSA_TRITON_SEL_FORCE=1.",
-            )
-        )
-    return f
 
 
 # --- CLI -------------------------------------------------------------------------------------------------
@@ -627,6 +467,13 @@ def _print_report(r: dict[str, Any]) -> None:
         ]
         line("SDPA backends enabled", ", ".join(enabled) + ("" if r["gpus"] else " (CUDA ones need a GPU)"))
     line("matrix cell", r.get("cell"))
+    tc = r.get("toolchain") or {}
+    if tc:
+        ch, cc = tc["cuda_home"], tc["cc"]
+        nvcc = f"nvcc {ch['nvcc_version']} in {ch['path']} ({ch['from']})" if ch.get("nvcc") else "no nvcc"
+        mem = tc["mem_available_gib"]
+        line("build", f"{tc['cpus']} cores, {mem if mem is not None else '?'} GiB free; {cc['path'] or 'no C compiler'}"
+                      f"; {nvcc}; glibc {tc['glibc'] or 'none'}")
     print("NSA backends")
     for name, b in r["backends"].items():
         print(f"  {name:12} {'yes' if b['ok'] else 'no '}  {b['reason']}")
@@ -650,42 +497,23 @@ def _print_drift(lock: Path, res: dict[str, Any]) -> None:
                 print(
                     f"  {e['name']:28} locked {e.get('locked', '-'):16} installed {e.get('installed', '-')}"
                 )
+    if res.get("torch_triton"):
+        tt = res["torch_triton"]
+        pin = upstream.pin_specifier(tt["torch_pins"])
+        print(f"torch/triton mismatch: triton {tt['triton']} is outside torch {tt['torch']}'s pin triton{pin}")
     print("DRIFT" if res["drift"] else "no drift")
-
-
-def _doctor(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="nsa-env doctor", description="Explain common environment failures.")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument(
-        "--head-dim",
-        type=int,
-        action="append",
-        dest="head_dims",
-        help="head dims you will use (default: 128 and 192); repeat for several",
-    )
-    args = ap.parse_args(argv)
-    dims = tuple(args.head_dims or (128, 192))
-    if any(d <= 0 for d in dims):
-        ap.error(f"--head-dim must be positive, got {dims}")
-    findings = diagnose(collect(), dims)
-    if args.json:
-        print(json.dumps([asdict(x) for x in findings], indent=2))
-    else:
-        for x in findings:
-            print(f"[{x.severity.upper()}] {x.code}: {x.problem}\n    fix: {x.fix}")
-        if not findings:
-            print("doctor: nothing wrong found")
-    return 1 if any(x.severity == "error" for x in findings) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:
-        return _doctor(argv[1:])
+        from nsa import doctor
+
+        return doctor.main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="nsa-env",
         description=__doc__.split("\n\n")[0],
-        epilog="Subcommand: `nsa-env doctor [--json] [--head-dim D]`.",
+        epilog="Subcommand: `nsa-env doctor [--json] [--head-dim D] [--log FILE]`.",
     )
     ap.add_argument("--json", action="store_true", help="print the report (or the drift) as JSON")
     ap.add_argument(
@@ -713,12 +541,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     variant = cell.split("-", 1)[0] if re.match(r"^(cpu|cu\d+)-", cell) else None
-    res = check_lock(lock.read_text(), installed_distributions(), variant)
+    installed = installed_distributions()
+    # The pin of the torch in that set: its metadata when it is the torch this process sees, else the facts.
+    torch_installed = installed.get("torch")
+    pin = (report["torch"]["expected_triton"] if torch_installed == report["torch"]["version"]
+           else expected_triton(torch_installed, requires=[]))
+    res = check_lock(lock.read_text(), installed, variant, pin)
     if args.json:
         print(json.dumps({"lock": str(lock), "cell": cell, **res}, indent=2))
     else:
         _print_drift(lock, res)
     return 1 if res["drift"] else 0
+
+
+def __getattr__(name: str) -> Any:
+    """diagnose() and Finding live in nsa.doctor; nsa.env.diagnose keeps working."""
+    if name in ("diagnose", "Finding"):
+        from nsa import doctor
+
+        return getattr(doctor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

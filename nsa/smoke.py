@@ -35,7 +35,8 @@ from .config import NSAConfig
 BRANCHES = ("cmp", "sel", "win")
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 # Telemetry reasons that are normal routing, not fallbacks: "ok" (auto routing), "forced*" (a backend
-# asked for by name), "decode" (the decode step, which always runs the torch branch functions).
+# asked for by name), "decode" (a decode step ran the torch branch functions because the decode kernels are
+# not available here).
 NORMAL_REASONS = ("ok", "decode")
 
 CONFIGS = {
@@ -98,7 +99,10 @@ def run(args) -> dict:
 
     with Stopwatch(device) as sw:
         model = TinyNSALM(args.vocab, args.dim, args.layers, args.heads, args.kv_groups, args.dk, args.dv, cfg,
-                          shared_kv=args.shared_kv, backend=args.backend).to(device=device, dtype=dtype)
+                          shared_kv=args.shared_kv, backend=args.backend,
+                          # the oracle has no decode step: generation then decodes with the torch branches
+                          decode_backend="torch" if args.backend == "reference" else None,
+                          ).to(device=device, dtype=dtype)
     timings["build_ms"] = sw.ms
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(args.seed)

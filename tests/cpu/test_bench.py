@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import itertools
 import json
 import math
 from pathlib import Path
@@ -108,6 +109,30 @@ def test_dense_decode_baseline_matches_nsa_window_branch():
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_bench_decode_smoke_fill_mode(tmp_path):
+    """--smoke: the cache filled through its API (no prefill), dense and ragged rows, bytes counted from it."""
+    dec = _load("bench_decode")
+    out = tmp_path / "fill.csv"
+    assert dec.main(["--smoke", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == dec.COLUMNS
+    assert [(int(r["S"]), int(r["B"]), r["ragged"]) for r in rows] == [
+        (40, 1, ""), (70, 1, ""), (40, 3, ""), (70, 3, ""), (70, 3, "23-70")]
+    for r in rows:
+        for c in ("step_ms", "step_eager_ms", "dense_ms", "speedup_vs_dense", "kv_bytes", "dense_kv_bytes", "tbps"):
+            assert float(r[c]) > 0, c
+        assert r["step_graph_ms"] == "" and r["hbm_tbps"] == ""  # CPU: no graph, no HBM limit
+        assert float(r["check_rel_err"]) == 0 and float(r["check_idx_agree"]) == 1
+    # S=70, B=1 (tiny preset: l=8, d=4, l'=8, n=4, w=16, Hkv=2, D=16, fp32): step at t=70 sees 16 compressed
+    # blocks, blocks 0 (init), 7 and 8 (local; 8 holds tokens 64..70) and one more full block -> 8+7+8+8 = 31
+    # selected tokens, and the window of 16
+    per_tok = (16 + 16) * 4
+    assert int(rows[1]["kv_bytes"]) == 2 * per_tok * (16 + 31 + 16)
+    assert int(rows[1]["dense_kv_bytes"]) == 2 * per_tok * 71
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["meta"]["torch"] == torch.__version__ and len(side["rows"]) == 5
+
+
 def test_bench_prefill_tiny(tmp_path):
     pre = _load("bench_prefill")
     out = tmp_path / "prefill.csv"
@@ -168,3 +193,36 @@ def test_benchutil(tmp_path, monkeypatch):
     with benchutil.Stopwatch() as sw:
         pass
     assert math.isfinite(sw.ms) and sw.ms >= 0
+
+
+def test_bench_sel_triton_smoke(tmp_path):
+    """The selection bench's --smoke (the kernels in Triton's interpreter on CPU) writes every column; its
+    byte counts agree with a count by loops."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (the CPU lock pins it)")
+    sel = _load("bench_sel_triton")
+    try:
+        sel.prepare_device(sel.argparse.Namespace(smoke=True))
+    except SystemExit as e:
+        pytest.skip(str(e))
+    assert sel.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "bench_sel_triton.csv").open()))
+    assert list(rows[0]) == sel.COLUMNS and {r["indices"] for r in rows} == {"topn", "random"}
+    for r in rows:
+        assert r["status"] == "ok" and r["dense_impl"] == "sdpa_math"
+        for c in sel.COLUMNS[10:]:
+            if c not in ("dense_impl", "status"):
+                assert float(r[c]) > 0, c
+
+    cfg = NSAConfig(block_cmp=4, stride_cmp=4, block_sel=8, n_sel=3, n_init=1, n_local=1, window=8)
+    idx = sel.make_indices("topn", 45, 2, cfg, torch.device("cpu"))
+    idx[0, 30, 1, 0] = 5  # a block after the query: nothing visible
+    tokens = pairs = 0
+    last = {}
+    for t, h, j in itertools.product(range(45), range(2), range(3)):
+        blk = int(idx[0, t, h, j])
+        seen = min(max(t - blk * 8 + 1, 0), 8) if blk >= 0 else 0
+        tokens, pairs = tokens + seen, pairs + (seen > 0)
+        if seen:
+            last[(h, blk)] = max(last.get((h, blk), 0), seen)
+    assert sel.traffic(idx, 8) == (tokens, pairs, sum(last.values()))

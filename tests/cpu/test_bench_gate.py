@@ -109,3 +109,16 @@ def test_cli_promote_then_check(tmp_path, capsys):
     assert json.loads(out_json.read_text())["status"] == G.PASS
     assert G.main(["check", str(head), "--baselines", str(path), "--gpu-class", "a100", "--strict"]) == 1
     assert "NO-BASELINE" in capsys.readouterr().out
+
+
+def test_speedup_figure_drop_fails_the_gate():
+    """The whole-op speedup over dense FA-2 is a higher-is-better figure: a drop beyond the allowance fails."""
+    base = {"policy": {"allowance": 0.15}, "classes": {"h100-80gb-hbm3": {"figures": {
+        "speedup_fwd_bwd_vs_fa2_64k": {"value": 3.0, "better": "higher", "unit": "x", "source": {"commit": "abc"}}}}}}
+    ok = G.compare({"speedup_fwd_bwd_vs_fa2_64k": {"value": 2.6, "better": "higher", "unit": "x"}}, base,
+                   "h100-80gb-hbm3")
+    bad = G.compare({"speedup_fwd_bwd_vs_fa2_64k": {"value": 2.5, "better": "higher", "unit": "x"}}, base,
+                    "h100-80gb-hbm3")
+    assert ok["status"] == G.PASS and bad["status"] == G.FAIL
+    line = G.describe(bad)[0]
+    assert "2.5000 x vs baseline 3.0000" in line and "higher is better" in line and "FAIL" in line

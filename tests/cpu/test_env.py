@@ -13,6 +13,8 @@ import pytest
 from nsa import env
 from nsa.kernels import flash_wrappers as fw
 
+from .env_reports import cpu_report, h100_report
+
 TOP_KEYS = {
     "schema",
     "python",
@@ -28,78 +30,6 @@ TOP_KEYS = {
     "cell",
     "backends",
 }
-
-
-def h100_report() -> dict:
-    """A healthy lent GPU machine, as collect() would report it."""
-    return {
-        "schema": env.SCHEMA,
-        "python": {"version": "3.12.3", "implementation": "CPython", "executable": "/usr/bin/python3"},
-        "platform": {"system": "Linux", "machine": "x86_64", "libc": "glibc 2.39"},
-        "torch": {
-            "installed": True,
-            "imports": True,
-            "version": "2.11.0+cu130",
-            "cuda": "13.0",
-            "cudnn": 91900,
-            "cxx11abi": True,
-            "requires_triton": "3.6.0",
-            "expected_triton": "3.6.0",
-            "error": None,
-        },
-        "gpus": [
-            {
-                "index": 0,
-                "name": "NVIDIA H100 80GB HBM3",
-                "sm": "9.0",
-                "memory_gib": 79.2,
-                "multiprocessors": 132,
-            }
-        ],
-        "driver": {"version": "580.159.04", "cuda": "13.0"},
-        "triton": {
-            "installed": True,
-            "version": "3.6.0",
-            "imports": True,
-            "error": None,
-            "interpreter": False,
-        },
-        "flash_attn": {
-            "installed": True,
-            "version": "2.8.3",
-            "imports": True,
-            "error": None,
-            "runnable": True,
-            "reason": "ok",
-            "varlen_runnable": True,
-            "varlen_reason": "flash_attn 2.8.3 varlen",
-        },
-        "torch_flash_varlen": {"available": True, "reason": "torch 2.11.0+cu130 varlen_attn"},
-        "sdpa": {"function": True, "flash_enabled": True},
-        "env": {},
-        "cell": "cu130-torch2.11-py312",
-    }
-
-
-def cpu_report() -> dict:
-    r = h100_report()
-    r["torch"].update(
-        version="2.13.0+cpu", cuda=None, cudnn=None, requires_triton=None, expected_triton="3.7.1"
-    )
-    r["gpus"], r["driver"] = [], {"version": None, "cuda": None}
-    r["triton"].update(version="3.7.1")
-    r["flash_attn"] = {
-        "installed": False,
-        "version": None,
-        "imports": False,
-        "error": "flash-attn is not installed",
-        "runnable": False,
-        "reason": "flash-attn is not installed",
-        "varlen_runnable": False,
-        "varlen_reason": "flash-attn is not installed",
-    }
-    r["torch_flash_varlen"] = {"available": False, "reason": "torch 2.13.0+cpu is a CPU build"}
-    return r
 
 
 def codes(report: dict, **kw) -> dict[str, str]:

@@ -273,3 +273,33 @@ def test_sdpa_matches_torch_path(clean_env, gen, dtype, tol, chunk):
 def test_provider_registry_is_complete():
     assert set(plan.ORDER) == set(plan.PROVIDERS)
     assert emulated("torch_flash").name == "torch_flash"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sdpa_drives_the_same_selection_as_the_torch_path(clean_env, gen, packed):
+    """Without given blocks: the sdpa provider's LSE (its scale, only visible blocks) decides the top-n, so
+    the blocks and outputs must equal the torch path's, and the LSE the naive compressed branch's."""
+    from nsa import toggles
+    from nsa.branches.compressed.naive import compressed_attention
+    from nsa.branches.compressed.sdpa import compressed_sdpa
+    from nsa.compress import compress_kv
+    from nsa.layout import dense_layout, packed_layout
+
+    if packed:
+        q, k, v, g, cu = _packed(gen, [0, 21, 3, 44], 8, 2, 16, 8)
+    else:
+        (q, k, v, g), cu = make_inputs(gen, 2, 50, 8, 2, 16, 8), None
+    for cfg in CFGS.values():
+        want, wi = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
+        got, gi = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="sdpa", return_indices=True)
+        assert torch.equal(gi, wi)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        T = q.shape[1]
+        layout = packed_layout(cu, T, cfg) if packed else dense_layout(q.shape[0], T, cfg, q.device)
+        kc, vc = compress_kv(k, v, layout, cfg)
+        scale = cfg.softmax_scale(q.shape[-1])
+        _, lse = compressed_sdpa(toggles.read(), q, kc, vc, layout, cfg, scale)
+        _, lse_ref = compressed_attention(q, kc, vc, layout, cfg, scale)
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+        fin = torch.isfinite(lse_ref)
+        torch.testing.assert_close(lse[fin].double(), lse_ref[fin].double(), rtol=1e-6, atol=1e-6)

@@ -25,7 +25,7 @@ try:
     from nsa.kernels.triton import selection
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"nsa.kernels.triton.selection does not import: {e}", allow_module_level=True)
-if "Interpreted" not in type(selection._sel_fwd_kernel).__name__:
+if "Interpreted" not in type(selection.selection_bwd._sel_bwd_dq_kernel).__name__:
     pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
 
 from nsa import (

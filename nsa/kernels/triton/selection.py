@@ -7,17 +7,13 @@ Contract (same function as nsa.branches.selected.naive.selected_attention, whole
     u of its KV group's selected blocks with u <= t (positions local to the sequence, u = j*l' + r).
     A row with no visible token outputs exactly 0 and gets zero gradients.
 
-Forward (group-centric): one program per (token, batch x KV head, tile of query heads). The G query heads
-of a KV head are the M rows of tl.dot (padded to BLOCK_G = max(16, next_pow2(G)), at most 64 rows per
-tile; G > 64 uses several tiles), so each selected K/V block is loaded once per group and token. The
-program loops over the token's n blocks (skipping -1), masks u > t and the block tail, and keeps an
-online softmax in fp32 (exp2 domain). It writes o [B, T, Hq, Dv] (q's dtype) and the log-sum-exp
-[B, T, Hq] (fp32, natural log; -inf for empty rows) for the backward.
+Forward: selection_fwd.py (group-centric: the G query heads of a KV head are the rows of tl.dot, padded to
+BLOCK_G = max(16, next_pow2(G)), at most 64 rows per tile; a flat, pipelined loop over the token's
+blocks). It writes o [B, T, Hq, Dv] (q's dtype) and the log-sum-exp [B, T, Hq] (fp32, natural log; -inf
+for empty rows) for the backward.
 
-Backward: delta = rowsum(dO * O) (torch), then one kernel with the forward's grid recomputes p from the
-LSE, writes dq for its rows, and adds its dk/dv contributions to fp32 buffers with tl.atomic_add
-(first, simple and correct version; the order of the atomic adds makes dk/dv non-deterministic in the
-last bits). A reverse index (which queries selected a block) would remove the atomics; not done yet.
+Backward: nsa.kernels.triton.selection_bwd (dq per token like the forward; dk/dv per selected block
+through a reverse index of the indices; no atomics, bitwise reproducible).
 
 Dk != Dv: BLOCK_DK / BLOCK_DV are next powers of two with masks. Offsets are int64 wherever a product
 of a stride and an index can pass 2**31. fp32 inputs use IEEE fp32 dots (no TF32).
@@ -28,8 +24,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from . import selection_bwd  # imports triton: nsa.kernels.triton.available() relies on it
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -45,164 +41,6 @@ def _np2(x: int) -> int:
 
 def block_g(G: int) -> int:
     return min(max(16, _np2(G)), MAX_BLOCK_G)
-
-
-@triton.jit
-def _sel_fwd_kernel(
-    Q, K, V, IDX, SS, O, LSE,
-    sqb, sqt, sqh, sqd,
-    skb, skt, skh, skd,
-    svb, svt, svh, svd,
-    sib, sit, sih, sin,
-    ssb, sst,
-    sob, sot, soh, sod,
-    slb, slt, slh,
-    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
-    g0 = tl.program_id(2) * BLOCK_G
-
-    rg = g0 + tl.arange(0, BLOCK_G)
-    rn = tl.arange(0, BLOCK_N)
-    rdk = tl.arange(0, BLOCK_DK)
-    rdv = tl.arange(0, BLOCK_DV)
-    g_ok = rg < G
-    dk_ok = rdk < Dk
-    dv_ok = rdv < Dv
-    heads = (h * G + rg).to(tl.int64)
-
-    start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
-    pos = t - start
-
-    q_ptr = Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd
-    q = tl.load(q_ptr, mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-
-    idx_base = IDX + b * sib + t * sit + h * sih
-    for i in range(0, n_sel):
-        j = tl.load(idx_base + i * sin).to(tl.int64)
-        if j >= 0:
-            for c in range(0, block_sel, BLOCK_N):
-                local = j * block_sel + c + rn
-                keep = (c + rn < block_sel) & (local <= pos)
-                tok = start + local
-                k_ptr = K + b * skb + tok[:, None] * skt + h * skh + rdk[None, :] * skd
-                kb = tl.load(k_ptr, mask=keep[:, None] & dk_ok[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kb))
-                s = tl.where(keep[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_ptr = V + b * svb + tok[:, None] * svt + h * svh + rdv[None, :] * svd
-                vb = tl.load(v_ptr, mask=keep[:, None] & dv_ok[None, :], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-                m_i = m_new
-
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptr = O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod
-    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * slb + t * slt + heads * slh, lse, mask=g_ok)
-
-
-@triton.jit
-def _sel_bwd_kernel(
-    Q, K, V, IDX, SS, DO, LSE, DELTA, DQ, DK, DV,
-    sqb, sqt, sqh, sqd,
-    skb, skt, skh, skd,
-    svb, svt, svh, svd,
-    sib, sit, sih, sin,
-    ssb, sst,
-    sdob, sdot, sdoh, sdod,
-    slb, slt, slh,
-    sdqb, sdqt, sdqh, sdqd,
-    sdkb, sdkt, sdkh, sdkd,
-    sdvb, sdvt, sdvh, sdvd,
-    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
-    g0 = tl.program_id(2) * BLOCK_G
-
-    rg = g0 + tl.arange(0, BLOCK_G)
-    rn = tl.arange(0, BLOCK_N)
-    rdk = tl.arange(0, BLOCK_DK)
-    rdv = tl.arange(0, BLOCK_DV)
-    g_ok = rg < G
-    dk_ok = rdk < Dk
-    dv_ok = rdv < Dv
-    heads = (h * G + rg).to(tl.int64)
-
-    start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
-    pos = t - start
-
-    q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
-                mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
-    do = tl.load(DO + b * sdob + t * sdot + heads[:, None] * sdoh + rdv[None, :] * sdod,
-                 mask=g_ok[:, None] & dv_ok[None, :], other=0.0)
-    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=g_ok, other=float("-inf"))
-    delta = tl.load(DELTA + b * slb + t * slt + heads * slh, mask=g_ok, other=0.0)
-    row_ok = g_ok & (lse > float("-inf"))
-    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
-
-    dq = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
-    idx_base = IDX + b * sib + t * sit + h * sih
-    for i in range(0, n_sel):
-        j = tl.load(idx_base + i * sin).to(tl.int64)
-        if j >= 0:
-            for c in range(0, block_sel, BLOCK_N):
-                local = j * block_sel + c + rn
-                keep = (c + rn < block_sel) & (local <= pos)
-                tok = start + local
-                kb = tl.load(K + b * skb + tok[:, None] * skt + h * skh + rdk[None, :] * skd,
-                             mask=keep[:, None] & dk_ok[None, :], other=0.0)
-                vb = tl.load(V + b * svb + tok[:, None] * svt + h * svh + rdv[None, :] * svd,
-                             mask=keep[:, None] & dv_ok[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-                    dp = tl.dot(do, tl.trans(vb), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kb))
-                    dp = tl.dot(do, tl.trans(vb))
-                valid = row_ok[:, None] & keep[None, :]
-                p = tl.where(valid, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-                ds = p * (dp - delta[:, None])
-                if IEEE:
-                    dq += tl.dot(ds, kb, input_precision="ieee")
-                    dv_blk = tl.dot(tl.trans(p), do, input_precision="ieee")
-                    dk_blk = tl.dot(tl.trans(ds), q, input_precision="ieee")
-                else:
-                    dq += tl.dot(ds.to(kb.dtype), kb)
-                    dv_blk = tl.dot(tl.trans(p.to(do.dtype)), do)
-                    dk_blk = tl.dot(tl.trans(ds.to(q.dtype)), q)
-                tl.atomic_add(DV + b * sdvb + tok[:, None] * sdvt + h * sdvh + rdv[None, :] * sdvd, dv_blk,
-                              mask=keep[:, None] & dv_ok[None, :], sem="relaxed")
-                tl.atomic_add(DK + b * sdkb + tok[:, None] * sdkt + h * sdkh + rdk[None, :] * sdkd,
-                              dk_blk * sm_scale, mask=keep[:, None] & dk_ok[None, :], sem="relaxed")
-
-    tl.store(DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rdk[None, :] * sdqd,
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & dk_ok[None, :])
 
 
 def _check(q, k, v, indices, seq_start, block_sel):
@@ -224,68 +62,17 @@ def _check(q, k, v, indices, seq_start, block_sel):
         raise ValueError(f"block_sel must be >= 1, got {block_sel}")
 
 
-def _meta(q, k, v, block_sel):
-    G = q.shape[2] // k.shape[2]
-    BG = block_g(G)
-    return dict(
-        BLOCK_G=BG,
-        BLOCK_N=min(max(16, _np2(block_sel)), MAX_BLOCK_N),
-        BLOCK_DK=max(16, _np2(q.shape[3])),
-        BLOCK_DV=max(16, _np2(v.shape[3])),
-        IEEE=q.dtype == torch.float32,
-    ), G, triton.cdiv(G, BG)
-
-
-def _launch_cfg(meta):
-    if not torch.cuda.is_available():
-        return {}
-    big = meta["BLOCK_DK"] + meta["BLOCK_DV"] > 256
-    return {"num_warps": 8 if big else 4, "num_stages": 1 if big else 2}
-
-
 def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float):
     """Raw forward: (o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row)."""
+    from .selection_fwd import sel_forward as forward
+
     _check(q, k, v, indices, seq_start, block_sel)
-    B, T, Hq, _ = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
-    o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
-    if B * T * Hq == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
-    meta, G, n_gt = _meta(q, k, v, block_sel)
-    n = indices.shape[3]
-    grid = (T, B * Hkv, n_gt)
-    _sel_fwd_kernel[grid](
-        q, k, v, indices, seq_start, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
-        Hkv, G, q.shape[3], Dv, n, block_sel, scale * LOG2E,
-        **meta, **_launch_cfg(meta),
-    )
-    return o, lse
+    return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N)
 
 
 def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float):
-    """Raw backward: (dq, dk, dv) in the dtypes of q, k, v (dk/dv accumulated in fp32 by atomics)."""
-    B, T, Hq, Dk = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, Hq], strides == lse's
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    if B * T * Hq == 0:
-        return dq.zero_(), dk.to(k.dtype), dv.to(v.dtype)
-    meta, G, n_gt = _meta(q, k, v, block_sel)
-    n = indices.shape[3]
-    lse = lse.contiguous()
-    grid = (T, B * Hkv, n_gt)
-    _sel_bwd_kernel[grid](
-        q, k, v, indices, seq_start, do, lse, delta, dq, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *do.stride(),
-        *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-        Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E, scale,
-        **meta, **_launch_cfg(meta),
-    )
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    """Raw backward: (dq, dk, dv) in the dtypes of q, k, v (nsa.kernels.triton.selection_bwd: no atomics)."""
+    return selection_bwd.sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel, scale)
 
 
 class SelectedAttentionTriton(torch.autograd.Function):
@@ -304,22 +91,32 @@ class SelectedAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _dedupe(indices):
+    """A block named twice in a row counts once (as in the reference): one sort on the device, repeats
+    become -1 (the kernels take -1 anywhere in a row). No host sync."""
+    s = indices.sort(dim=-1).values
+    repeat = torch.zeros_like(s, dtype=torch.bool)
+    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
+    return torch.where(repeat, torch.full_like(s, -1), s)
+
+
 def _prep_index(indices, seq_start, B, T, device):
-    idx = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
+    idx = _dedupe(indices.to(device=device, dtype=torch.int32))
     if seq_start is None:
         ss = torch.zeros(B, T, dtype=torch.int32, device=device)
     else:
         ss = seq_start.to(device=device, dtype=torch.int32)
         if ss.dim() == 1:
             ss = ss[None].expand(B, T)
-    return idx.to(device), ss
+    return idx, ss
 
 
 def selected_attention_triton(q, k, v, indices, seq_start, cfg, scale=None, return_lse=False):
     """Selected-branch attention over the whole T (no query chunking), differentiable in q, k, v.
 
     q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv]; indices [B, T, Hkv, n] local block ids
-    (ascending not required, -1 = none, no repeats); seq_start [B, T] (or [T], or None for dense input).
+    (ascending not required, -1 = none, a repeated block counts once: deduplicated on the device);
+    seq_start [B, T] (or [T], or None for dense input).
     cfg: an NSAConfig (block_sel is used) or the block size as an int. Returns o [B, T, Hq, Dv] in q's
     dtype (and the fp32 LSE [B, T, Hq] when return_lse).
     """

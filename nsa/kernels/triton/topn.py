@@ -14,15 +14,16 @@ each selection block (R = l'/d), turns them into probabilities with the LSE (exp
 over the G heads, then per selection block j adds the group of j and the tails of the groups before it
 whose blocks reach into j (with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every
 block overlapping j is counted once. A tail moves k blocks to the right (from the previous chunk for
-the first k) with a product by a 0/1 matrix: one nonzero per column, so the move is exact.
+the first k) with tl.gather: pure data movement, so the move is exact.
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
 
 Ranking: each candidate becomes one int64 key, (score bits << 32) | (2^31 - 1 - j): for scores >= 0 the
 float bits order like the values, and among equal scores the lower j has the larger key. Forced blocks
-(the first n_init, the n_local ending at the token's own block) get +inf's bits, non-candidates -1. A
-running top-KEEP list per token is merged with each chunk's keys (bitonic sort of the 2*KEEP keys, keep
-the first half) only when some key beats the list's current minimum.
+(the first n_init, the n_local ending at the token's own block) get +inf's bits, non-candidates distinct
+negative keys. Each token keeps its n_sel best keys unsorted; a chunk's key that beats the smallest kept
+key replaces it (largest first; after the first chunks only a few keys per chunk get in), and at the
+end the kept blocks are put in ascending order by rank (a one-hot sum, no sort network).
 
 Packed input: a tile may hold tokens of several sequences, whose compressed blocks start at different
 slots; the program processes one sequence of its tile at a time (at most BLOCK_T passes, one for dense
@@ -44,11 +45,13 @@ def _np2(x: int) -> int:
 
 
 @triton.jit
-def _first_half(x, ROWS: tl.constexpr, N: tl.constexpr):
-    """[ROWS, 2N] -> its first N columns."""
-    y = tl.permute(tl.reshape(x, [ROWS, 2, N]), [0, 2, 1])
-    a, b = tl.split(y)
-    return a
+def _load_blocks(base, slot0, i_loc, i_hi, skn, u_ok, d_ok, EVEN_D: tl.constexpr):
+    """Compressed keys of blocks i_loc of the sequence whose block 0 sits in slot slot0 (0 past i_hi)."""
+    ok = u_ok & (i_loc <= i_hi)
+    ptr = base + (slot0 + i_loc).to(tl.int64)[:, None] * skn
+    if EVEN_D:
+        return tl.load(ptr, mask=ok[:, None], other=0.0)
+    return tl.load(ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -65,9 +68,10 @@ def _topn_kernel(
     R: tl.constexpr, C: tl.constexpr, K_BACK: tl.constexpr,
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_J: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_J: tl.constexpr, KEEP: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    KEEP: tl.constexpr = BLOCK_J  # the running list holds as many keys as a chunk brings
+    # KEEP: slots of the kept list (n_sel of them live)
+    DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
     ROWS: tl.constexpr = BLOCK_T * BLOCK_G
     BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
     tile = n_tiles - 1 - tl.program_id(0)  # the longest tiles (most blocks) first
@@ -75,28 +79,34 @@ def _topn_kernel(
     b = (pid_bh // Hkv).to(tl.int64)
     h = (pid_bh % Hkv).to(tl.int64)
 
-    # Tokens of the tile, and the same per row (row = token * BLOCK_G + head).
+    # Tokens of the tile, and the same per row (row = token * BLOCK_G + head). Positions fit int32 (T < 2^31).
     t_tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t_tok < T
     t_tok64 = t_tok.to(tl.int64)
-    start_tok = tl.load(SS + b * ssb + t_tok64 * sst, mask=tok_ok, other=0).to(tl.int64)
-    slot0_tok = tl.load(SC0 + b * scb + t_tok64 * sct, mask=tok_ok, other=0).to(tl.int64)
-    pos_tok = t_tok64 - start_tok
+    start_tok = tl.load(SS + b * ssb + t_tok64 * sst, mask=tok_ok, other=0).to(tl.int32)
+    slot0_tok = tl.load(SC0 + b * scb + t_tok64 * sct, mask=tok_ok, other=0).to(tl.int32)
+    pos_tok = t_tok - start_tok
     jt_tok = pos_tok // BLOCK_SEL
 
     rr = tl.arange(0, ROWS)
-    t_row = (tile * BLOCK_T + rr // BLOCK_G).to(tl.int64)
+    t_row = tile * BLOCK_T + rr // BLOCK_G
     g_row = rr % BLOCK_G
     row_in = (t_row < T) & (g_row < G)
+    t_row64 = t_row.to(tl.int64)
     head = h * G + g_row
-    start_row = tl.load(SS + b * ssb + t_row * sst, mask=row_in, other=0).to(tl.int64)
-    slot0_row = tl.load(SC0 + b * scb + t_row * sct, mask=row_in, other=0).to(tl.int64)
-    pos_row = t_row - start_row
+    start_row = tl.load(SS + b * ssb + t_row64 * sst, mask=row_in, other=0).to(tl.int32)
+    slot0_row = tl.load(SC0 + b * scb + t_row64 * sct, mask=row_in, other=0).to(tl.int32)
+    # Last compressed block the row sees (i*d + l - 1 <= pos), -1 for none; an offset keeps // a floor.
+    last_row = (t_row - start_row + 1 - BLOCK_CMP + STRIDE) // STRIDE - 1
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < D
-    q = tl.load(Q + b * sqb + t_row[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
-                mask=row_in[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(LSE + b * slb + t_row * slt + head * slh, mask=row_in, other=float("-inf"))
+    if EVEN_D:  # no column mask: vectorized loads
+        q = tl.load(Q + b * sqb + t_row64[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
+                    mask=row_in[:, None], other=0.0)
+    else:
+        q = tl.load(Q + b * sqb + t_row64[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
+                    mask=row_in[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + b * slb + t_row64 * slt + head * slh, mask=row_in, other=float("-inf"))
     row_ok = row_in & (lse > float("-inf"))
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
 
@@ -105,30 +115,34 @@ def _topn_kernel(
     jj_c = kk // R_PAD
     u_c = kk % R_PAD
     u3 = tl.arange(0, R_PAD)[None, None, :]
-    ja = tl.arange(0, BLOCK_J)[:, None]
-    jb = tl.arange(0, BLOCK_J)[None, :]
+    jsel = tl.arange(0, BLOCK_J)[None, :] + tl.zeros([BLOCK_T, BLOCK_J], tl.int32)  # chunk column per token
 
-    top = tl.full([BLOCK_T, KEEP], -1, tl.int64)
+    # The kept keys of each token, unsorted: n_sel live slots (filled with distinct negative sentinels) and
+    # KEEP - n_sel dead ones (a huge value: never the minimum, never replaced, ignored at the end).
+    slot = tl.arange(0, KEEP)[None, :]
+    top = tl.where(slot < n_sel, -(1 << 40) - slot.to(tl.int64), DEAD) + tl.zeros([BLOCK_T, KEEP], tl.int64)
     done = ~tok_ok
+    low = tl.full([BLOCK_T, BLOCK_J], -(1 << 42), tl.int64)  # non-candidate keys of this pass start here
     for _ in range(BLOCK_T):  # one pass per sequence present in the tile (one for dense input)
         if tl.min(done.to(tl.int32), axis=0) == 0:
-            cur = tl.min(tl.where(done, 9223372036854775807, slot0_tok), axis=0)
+            cur = tl.min(tl.where(done, 2147483647, slot0_tok), axis=0)
             act_tok = (~done) & (slot0_tok == cur)
-            act_row = row_ok & (slot0_row == cur)
+            last = tl.where(row_ok & (slot0_row == cur), last_row, -1)  # rows outside this pass see nothing
             j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
-            pos_hi = tl.max(tl.where(act_tok, pos_tok, -1), axis=0)
+            i_hi = tl.max(last, axis=0)
             prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's group sums
+            # The next chunk's compressed keys are loaded while this one is scored (by hand: the insertion's
+            # while loop keeps Triton's pipeliner off this loop).
+            kc_base = KC + b * skb + h * skh + rd[None, :] * skd
+            kc = _load_blocks(kc_base, cur, jj_c * R + u_c, i_hi, skn, u_c < R, d_ok, EVEN_D)
             for j0 in range(0, j_hi + 1, BLOCK_J):
                 i_loc = (j0 + jj_c) * R + u_c
-                blk_end = i_loc * STRIDE + (BLOCK_CMP - 1)
-                k_ok = (u_c < R) & (blk_end <= pos_hi)
-                kc = tl.load(KC + b * skb + (cur + i_loc)[:, None] * skn + h * skh + rd[None, :] * skd,
-                             mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 if IEEE:
                     s = tl.dot(q, tl.trans(kc), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(kc))
-                vis = act_row[:, None] & k_ok[None, :] & (blk_end[None, :] <= pos_row[:, None])
+                kc = _load_blocks(kc_base, cur, i_loc + BLOCK_J * R, i_hi, skn, u_c < R, d_ok, EVEN_D)
+                vis = (i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :]
                 p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
                 ps = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_J, R_PAD]), axis=1)  # [BT, BJ, R_PAD]
                 score = tl.sum(ps, axis=2)  # the group of j: blocks starting inside j
@@ -136,30 +150,39 @@ def _topn_kernel(
                     cut = kb * R - C
                     t_cur = tl.sum(tl.where(u3 >= cut, ps, 0.0), axis=2)
                     t_prev = tl.sum(tl.where(u3 >= cut, prev, 0.0), axis=2)
-                    # Move kb columns right, the first kb from the previous chunk: one nonzero per column.
-                    s_cur = (jb == ja + kb).to(tl.float32)[None, :, :]
-                    s_prev = (jb == ja + kb - BLOCK_J).to(tl.float32)[None, :, :]
-                    score = score + (tl.sum(t_cur[:, :, None] * s_cur, axis=1)
-                                     + tl.sum(t_prev[:, :, None] * s_prev, axis=1))
+                    # Move kb columns right (a gather: exact), the first kb from the previous chunk.
+                    moved = tl.gather(t_cur, tl.maximum(jsel - kb, 0), axis=1)
+                    carried = tl.gather(t_prev, tl.minimum(jsel - kb + BLOCK_J, BLOCK_J - 1), axis=1)
+                    score = score + tl.where(jsel >= kb, moved, carried)
                 prev = ps
-                jg = (j0 + tl.arange(0, BLOCK_J)).to(tl.int64)[None, :]
+                jg = j0 + tl.arange(0, BLOCK_J)[None, :]
                 cand = act_tok[:, None] & (jg <= jt_tok[:, None])
                 forced = cand & ((jg < n_init) | (jg > jt_tok[:, None] - n_local))
-                bits = score.to(tl.int32, bitcast=True).to(tl.int64)
-                bits = tl.where(forced, 2139095040, bits)  # +inf's bits: forced blocks rank first
-                key = tl.where(cand, bits * 4294967296 + (2147483647 - jg), -1)
+                bits = tl.where(forced, 2139095040, score.to(tl.int32, bitcast=True))  # +inf's bits first
+                # Non-candidates get negative keys below every other key, distinct across chunks and passes:
+                # ranking needs distinct keys, and a token outside this pass must keep its list as it is.
+                jg64 = jg.to(tl.int64)
+                key = tl.where(cand, bits.to(tl.int64) * 4294967296 + (2147483647 - jg64), low - jg64)
+                # Insert the keys that beat a token's smallest kept key, largest first, each replacing that
+                # smallest one (keys are distinct, so exactly one slot matches). Usually a few per chunk.
                 thr = tl.min(top, axis=1)
-                if tl.max(tl.where(key > thr[:, None], 1, 0)) > 0:
-                    merged = tl.reshape(tl.join(top, key), [BLOCK_T, 2 * KEEP])
-                    top = _first_half(tl.sort(merged, descending=True), BLOCK_T, KEEP)
+                best = tl.max(key, axis=1)
+                while tl.max((best > thr).to(tl.int32), axis=0) > 0:
+                    ins = best > thr
+                    top = tl.where(ins[:, None] & (top == thr[:, None]), best[:, None], top)
+                    key = tl.where(key == best[:, None], low - BLOCK_J, key)  # out of this chunk's race
+                    thr = tl.min(top, axis=1)
+                    best = tl.max(key, axis=1)
             done = done | act_tok
+            low = low - 4294967296
 
-    # The first n_sel keys (top is sorted, largest first) -> block ids, ascending, -1 padded.
+    # The kept keys -> block ids, ascending (by rank: how many are smaller), -1 padded.
     col = tl.arange(0, KEEP)[None, :]
-    big = 2147483647
-    j_sel = tl.where((top >= 0) & (col < n_sel), 2147483647 - (top & 4294967295), big)
-    j_sel = tl.sort(j_sel)
-    j_sel = tl.where(j_sel == big, -1, j_sel).to(tl.int32)
+    big = 1 << 40
+    j_sel = tl.where((top >= 0) & (top < DEAD), 2147483647 - (top & 4294967295), big + col)  # distinct
+    rank = tl.sum((j_sel[:, None, :] < j_sel[:, :, None]).to(tl.int32), axis=2)
+    j_sel = tl.sum(tl.where(rank[:, :, None] == col[:, None, :], j_sel[:, :, None], 0), axis=1)
+    j_sel = tl.where(j_sel >= big, -1, j_sel).to(tl.int32)
     tl.store(IDX + b * sib + t_tok64[:, None] * sit + h * sih + col * sin, j_sel,
              mask=tok_ok[:, None] & (col < n_sel))
 
@@ -169,23 +192,23 @@ def unsupported(cfg) -> str | None:
     if cfg.n_sel > MAX_KEEP:
         return f"n_sel={cfg.n_sel} > {MAX_KEEP}: the top-n kernel keeps at most {MAX_KEEP} keys per query"
     r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
-    if -(-c // r) > _block_j(cfg):
-        return (f"block_cmp={cfg.block_cmp} spans more than {_block_j(cfg)} selection blocks of {cfg.block_sel}: "
+    if -(-c // r) > _block_j(cfg, 32):
+        return (f"block_cmp={cfg.block_cmp} spans more than {_block_j(cfg, 32)} selection blocks of {cfg.block_sel}: "
                 "the kernel sums the overlap over at most one chunk of selection blocks")
     return None
 
 
-def _block_j(cfg) -> int:
-    """Selection blocks per chunk (= keys kept per token): about 64 compressed blocks per chunk."""
-    return max(_np2(cfg.n_sel), 64 // _np2(cfg.block_sel // cfg.stride_cmp), 2)
+def _block_j(cfg, cmp_per_chunk: int = 64) -> int:
+    """Selection blocks per chunk: about `cmp_per_chunk` compressed blocks."""
+    return max(cmp_per_chunk // _np2(cfg.block_sel // cfg.stride_cmp), 2)
 
 
 def tile_config(G: int, D: int) -> dict:
     """Tokens per program and warps: about 64 dot rows (tokens x padded heads), fewer for wide heads."""
     bg = _np2(max(G, 1))
-    rows = 64 if D <= 128 else 32
+    rows = 128 if D <= 128 else 64  # H100: 128 rows x 64 blocks per step was fastest for G=16, D=128
     bt = max(1, rows // bg, 16 // bg)
-    return {"BLOCK_T": bt, "BLOCK_G": bg, "num_warps": 4}
+    return {"BLOCK_T": bt, "BLOCK_G": bg, "CMP_PER_CHUNK": 64, "num_warps": 4}
 
 
 def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
@@ -203,8 +226,8 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     if fail:
         raise ValueError(fail)
     r_pad = _np2(r)
-    block_j = _block_j(cfg)
     meta = {**tile_config(G, Dk), **(config or {})}
+    block_j = _block_j(cfg, meta.pop("CMP_PER_CHUNK", 64))
     warps = meta.pop("num_warps")
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])
     _topn_kernel[(n_tiles, B * Hkv)](
@@ -212,7 +235,8 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
         R=r, C=c, K_BACK=-(-c // r), STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
-        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, IEEE=q.dtype == torch.float32,
+        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
+        EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32,
         num_warps=warps, **meta,
     )
     return idx

@@ -1,0 +1,82 @@
+"""Time edited copies of a kernel module side by side (what a change to a kernel's body costs or saves).
+
+    PYTHONPATH=. python bench/kernel_variants.py --kernel topn --T 65536
+
+Each variant is the module's source with one textual edit (see VARIANTS); a variant that computes a
+different function is labelled "timing only" and exists to measure what a part of the kernel costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VARIANTS = {
+    "topn": {
+        "file": "nsa/kernels/triton/topn.py",
+        "variants": {
+            "as is": [],
+            "no insertion (timing only)": [("                while tl.max((best > thr).to(tl.int32), axis=0) > 0:",
+                                            "                while tl.max((best > thr).to(tl.int32), axis=0) > 1:")],
+            "no tail shift (timing only)": [("                for kb in tl.static_range(1, K_BACK + 1):",
+                                             "                for kb in tl.static_range(1, 1):")],
+            "head max, not sum (timing only)": [("ps = tl.sum(tl.reshape(p, [BLOCK_T,",
+                                                 "ps = tl.max(tl.reshape(p, [BLOCK_T,")],
+        },
+    },
+}
+
+
+def load(path: Path, edits, name: str):
+    src = path.read_text().replace("from ... import", "from nsa import")
+    for a, b in edits:
+        if a not in src:
+            raise SystemExit(f"variant {name!r}: text not found: {a[:60]!r}")
+        src = src.replace(a, b)
+    tmp = Path(tempfile.mkdtemp()) / f"variant_{abs(hash(name))}.py"
+    tmp.write_text(src)
+    spec = importlib.util.spec_from_file_location(tmp.stem, tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None):
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", default="topn", choices=sorted(VARIANTS))
+    ap.add_argument("--T", type=int, default=65536)
+    args = ap.parse_args(argv)
+    from nsa import NSAConfig
+    from nsa import plan as planning
+    from nsa.compress import compress_kv
+    from nsa.layout import dense_layout
+
+    dev, cfg, T = torch.device("cuda"), NSAConfig(), args.T
+    q = torch.randn(1, T, 64, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, T, 4, 128, device=dev, dtype=torch.bfloat16)
+    layout = dense_layout(1, T, cfg, dev)
+    scale = cfg.softmax_scale(128)
+    kc, vc = compress_kv(k, k, layout, cfg)
+    _, lse = planning.make_plan("auto", q, k, k, cfg).cmp.fn(q, kc, vc, layout, cfg, scale)
+    spec = VARIANTS[args.kernel]
+    for name, edits in spec["variants"].items():
+        mod = load(ROOT / spec["file"], edits, name)
+        fn = lambda m=mod: m.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)  # noqa: E731
+        fn()
+        ms = triton.testing.do_bench(fn, rep=200)
+        print(f"{args.kernel} T={T} {name:32} {ms:8.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from nsa.doctor.cli import main
+
+sys.exit(main())

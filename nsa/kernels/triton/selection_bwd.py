@@ -1,0 +1,361 @@
+"""Backward of the Triton selected-attention kernel, without atomics: bitwise reproducible dq, dk, dv.
+
+Same contract as the forward (nsa.kernels.triton.selection): q [B, T, Hq, Dk], k [B, T, Hkv, Dk],
+v [B, T, Hkv, Dv], indices [B, T, Hkv, n] (local block ids, -1 = none, no repeats in a row), seq_start
+[B, T]; o and the forward's LSE [B, T, Hq] (fp32, natural log, -inf = empty row). p is recomputed from the
+LSE (exp2 domain); delta = rowsum(dO * O) is computed by the dq kernel (fp32) and read by the dk/dv one.
+
+- dq: one program per (token, batch x KV head, tile of query heads) walks the token's selected blocks as
+  the forward does (rows = the G query heads, padded to 16), with a flat pipelinable loop over
+  (block, sub-tile) and masks instead of branches (an index of -1 gives an all-false mask).
+- dk/dv: through the reverse index (nsa.kernels.triton.reverse_index): each work item is a chunk of at
+  most CHUNK_ROWS / G queries of one block; a program stacks QT query tokens x BG heads as the rows of tl.dot,
+  recomputes S^T = K_blk q^T, P^T, dP^T = V_blk dO^T, dS^T and accumulates dV += P^T dO and
+  dK += dS^T q in fp32 registers over its chunk (masks: u > t, the block tail, padding rows). A block
+  longer than the tile is split into sub-tiles (separate work). Persistent programs take the items
+  biggest first. A block with one chunk writes dK/dV directly; a block with several writes fp32 partials
+  that a second kernel sums in chunk order. No atomics anywhere, so two runs give identical bits.
+  The partials' buffer has a static size (no host sync): 2*B*T*Hkv*n / chunk blocks of l' x (Dk + Dv)
+  fp32, about B*T*Hq*(Dk + Dv) bytes at the defaults with n*l' = 1024 (1.1 GB at T=64k, Hq=64, D=128);
+  only the blocks with several chunks are written.
+
+Tile sizes, warps, stages and the chunk length are chosen in one place, `bwd_config`, ready for tuning.
+Offsets are int64 where a stride times an index can pass 2**31. fp32 inputs use IEEE fp32 dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
+
+LOG2E = 1.4426950408889634
+
+# Tile limits and the chunk length; bwd_config derives every launch parameter from them.
+DQ_MAX_BLOCK_N = 64  # key tokens per sub-tile in the dq kernel
+DQ_MAX_BLOCK_G = 64  # query-head rows per dq program
+DKDV_ROWS = 64  # rows of the dk/dv kernel's dots (query tokens x heads)
+DKDV_MAX_BLOCK_N = 64  # key tokens per dk/dv sub-tile
+CHUNK_ROWS = 8192  # rows (query tokens x G) per work item: bounds one program's work
+REDUCE_BLOCK_N = 16
+REDUCE_BLOCK_D = 64
+PROGRAMS_PER_SM = 2
+POISON_OUTPUTS = False  # tests: fill dq/dk/dv with NaN before the kernels (every element must be written)
+
+
+def _np2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Launch parameters of the three kernels (constexprs, plus num_warps / num_stages on a GPU).
+
+    Defaults chosen from sm_90 compiles without register spills where possible (ptxas -v); bf16/fp16
+    D=128 keeps 64-token sub-tiles for wgmma at the cost of a small spill. Tune here.
+    """
+    bdk, bdv = max(16, _np2(Dk)), max(16, _np2(Dv))
+    width = bdk + bdv
+    ieee = dtype == torch.float32
+    # fp32 tiles take twice the registers and shared memory: halve them
+    dq_bn = min(max(16, _np2(block_sel)), DQ_MAX_BLOCK_N, 32 if ieee and width >= 256 else 64)
+    dq_rows = min(DQ_MAX_BLOCK_G, (64 if width < 256 else 32) // (2 if ieee else 1))
+    dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
+              N_SUB=triton.cdiv(block_sel, dq_bn), NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 2)
+    if ieee or width > 384:
+        kv_bn, rows = 32, min(DKDV_ROWS, 32)
+    elif width > 256:
+        kv_bn, rows = 32, DKDV_ROWS
+    else:
+        kv_bn, rows = 64, DKDV_ROWS
+    kv_bn = min(max(16, _np2(block_sel)), DKDV_MAX_BLOCK_N, kv_bn)
+    bg = min(_np2(G), rows)
+    dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
+                NUM_STAGES=2 if width <= 256 and not ieee else 1)
+    n_sub = triton.cdiv(block_sel, kv_bn)
+    red = dict(BLOCK_N=min(REDUCE_BLOCK_N, kv_bn), BLOCK_D=REDUCE_BLOCK_D)
+    if device.type == "cuda":
+        dq.update(num_warps=8 if width > 256 or ieee else 4, num_stages=dq["NUM_STAGES"])
+        dkdv.update(num_warps=8, num_stages=dkdv["NUM_STAGES"])
+        red.update(num_warps=4)
+    chunk = max(1, CHUNK_ROWS // max(G, 1))  # query tokens per work item
+    return dict(dq=dq, dkdv=dkdv, reduce=red, n_sub=n_sub, ls_pad=n_sub * kv_bn, chunk=chunk, ieee=ieee)
+
+
+def _n_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    return 4  # Triton's interpreter runs programs one after another
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _sel_bwd_dq_kernel(
+    Q, K, V, IDX, SS, O, DO, LSE, DELTA, DQ,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sib, sit, sih, sin,
+    ssb, sst,
+    sob, sot, soh, sod,
+    sdob, sdot, sdoh, sdod,
+    slb, slt, slh,
+    sdqb, sdqt, sdqh, sdqd,
+    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+    g0 = tl.program_id(2) * BLOCK_G
+
+    rg = g0 + tl.arange(0, BLOCK_G)
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    g_ok = rg < G
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    heads = (h * G + rg).to(tl.int64)
+
+    start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
+    pos = t - start
+
+    q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
+                mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
+    do = tl.load(DO + b * sdob + t * sdot + heads[:, None] * sdoh + rdv[None, :] * sdod,
+                 mask=g_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.load(O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod,
+                mask=g_ok[:, None] & dv_ok[None, :], other=0.0)
+    # delta = rowsum(dO * O) in fp32, stored for the dk/dv kernel (which runs after this one)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + b * slb + t * slt + heads * slh, delta, mask=g_ok)
+    lse = tl.load(LSE + b * slb + t * slt + heads * slh, mask=g_ok, other=float("-inf"))
+    row_ok = g_ok & (lse > float("-inf"))
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+
+    dq = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
+    idx_base = IDX + b * sib + t * sit + h * sih
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    # One flat loop over (selected block, sub-tile): no data-dependent branch, so loads can be pipelined.
+    for it in tl.range(0, n_sel * N_SUB, num_stages=NUM_STAGES):
+        i = it // N_SUB
+        c = (it % N_SUB) * BLOCK_N
+        j = tl.load(idx_base + i * sin).to(tl.int64)
+        local = j * block_sel + c + rn
+        keep = (j >= 0) & (c + rn < block_sel) & (local <= pos)
+        tok = start + local
+        kb = tl.load(k_base + tok[:, None] * skt + rdk[None, :] * skd, mask=keep[:, None] & dk_ok[None, :],
+                     other=0.0)
+        vb = tl.load(v_base + tok[:, None] * svt + rdv[None, :] * svd, mask=keep[:, None] & dv_ok[None, :],
+                     other=0.0)
+        s = _dot(q, tl.trans(kb), IEEE)
+        dp = _dot(do, tl.trans(vb), IEEE)
+        p = tl.where(row_ok[:, None] & keep[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds, kb, IEEE)
+
+    tl.store(DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rdk[None, :] * sdqd,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & dk_ok[None, :])
+
+
+@triton.jit
+def _sel_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, PART, ITEMS, N_ITEMS, QUERIES,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sdob, sdot, sdoh, sdod,
+    slb, slt, slh,
+    sdkb, sdkt, sdkh, sdkd,
+    sdvb, sdvt, sdvh, sdvd,
+    spp, spn,
+    Hkv, G, Dk, Dv, qk_scale, sm_scale,
+    BG: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
+    N_FIELDS: tl.constexpr,
+):
+    ROWS: tl.constexpr = BG * QT
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_work = tl.load(N_ITEMS) * N_SUB
+    r = tl.arange(0, ROWS)
+    rq = r // BG  # query token of the row within the step
+    rgl = r % BG  # head of the row within the head tile
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    for w in range(pid, n_work, n_prog):
+        item = ITEMS + (w // N_SUB) * N_FIELDS  # w is int64 (n_work, its bound, is)
+        c = (w % N_SUB) * BLOCK_N
+        bh = tl.load(item)
+        s0 = tl.load(item + 1)
+        blen = tl.load(item + 2)
+        first = tl.load(item + 3)
+        end = tl.load(item + 4)
+        part = tl.load(item + 5)
+        b = bh // Hkv
+        h = bh % Hkv
+        kin = c + rn < blen
+        ktok = s0 + c + rn  # global key tokens of this sub-tile
+        kb = tl.load(K + b * skb + ktok[:, None] * skt + h * skh + rdk[None, :] * skd,
+                     mask=kin[:, None] & dk_ok[None, :], other=0.0)
+        vb = tl.load(V + b * svb + ktok[:, None] * svt + h * svh + rdv[None, :] * svd,
+                     mask=kin[:, None] & dv_ok[None, :], other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        for g0 in range(0, G, BG):
+            rg = g0 + rgl
+            heads = h * G + rg
+            for q0 in tl.range(first, end, QT, num_stages=NUM_STAGES):
+                li = q0 + rq
+                row_ok = (li < end) & (rg < G)
+                tq = tl.load(QUERIES + li, mask=row_ok, other=0).to(tl.int64)
+                qr = tl.load(Q + b * sqb + tq[:, None] * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
+                             mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+                dor = tl.load(DO + b * sdob + tq[:, None] * sdot + heads[:, None] * sdoh + rdv[None, :] * sdod,
+                              mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                lse = tl.load(LSE + b * slb + tq * slt + heads * slh, mask=row_ok, other=float("-inf"))
+                delta = tl.load(DELTA + b * slb + tq * slt + heads * slh, mask=row_ok, other=0.0)
+                row_ok = row_ok & (lse > float("-inf"))
+                lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+                valid = kin[:, None] & row_ok[None, :] & (ktok[:, None] <= tq[None, :])
+                st = _dot(kb, tl.trans(qr), IEEE)  # [BLOCK_N, ROWS]
+                pt = tl.where(valid, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+                dv += _dot(pt, dor, IEEE)
+                dpt = _dot(vb, tl.trans(dor), IEEE)
+                dst = pt * (dpt - delta[None, :])
+                dk += _dot(dst, qr, IEEE)
+        dk = dk * sm_scale
+        # one chunk: write dK/dV; several: an fp32 partial [ls_pad, Dk + Dv] for the reduce kernel
+        direct = part < 0
+        tl.store(DK + b * sdkb + ktok[:, None] * sdkt + h * sdkh + rdk[None, :] * sdkd,
+                 dk.to(DK.dtype.element_ty), mask=direct & kin[:, None] & dk_ok[None, :])
+        tl.store(DV + b * sdvb + ktok[:, None] * sdvt + h * sdvh + rdv[None, :] * sdvd,
+                 dv.to(DV.dtype.element_ty), mask=direct & kin[:, None] & dv_ok[None, :])
+        p_base = PART + tl.maximum(part, 0) * spp + (c + rn)[:, None] * spn
+        tl.store(p_base + rdk[None, :], dk, mask=(part >= 0) & dk_ok[None, :])
+        tl.store(p_base + Dk + rdv[None, :], dv, mask=(part >= 0) & dv_ok[None, :])
+
+
+@triton.jit
+def _sel_bwd_reduce_kernel(
+    PART, DK, DV, RED, N_RED,
+    spp, spn,
+    sdkb, sdkt, sdkh, sdkd,
+    sdvb, sdvt, sdvh, sdvd,
+    Hkv, Dk, Dv,
+    LS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_FIELDS: tl.constexpr,
+):
+    """Sum each multi-chunk block's partials in chunk order; tiles of BLOCK_N tokens x BLOCK_D columns."""
+    N_T: tl.constexpr = LS_PAD // BLOCK_N
+    n_d = tl.cdiv(Dk + Dv, BLOCK_D)
+    per_row = N_T * n_d
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_work = tl.load(N_RED) * per_row
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    for w in range(pid, n_work, n_prog):
+        row = RED + (w // per_row) * N_FIELDS  # int64 like n_work
+        tile = w % per_row
+        n0 = (tile // n_d) * BLOCK_N
+        d = (tile % n_d) * BLOCK_D + rd
+        bh = tl.load(row)
+        s0 = tl.load(row + 1)
+        blen = tl.load(row + 2)
+        p0 = tl.load(row + 3)
+        p1 = tl.load(row + 4)
+        b = bh // Hkv
+        h = bh % Hkv
+        acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for p in range(p0, p1):
+            acc += tl.load(PART + p * spp + (n0 + rn)[:, None] * spn + d[None, :], mask=d[None, :] < Dk + Dv,
+                           other=0.0)
+        tok = s0 + n0 + rn
+        tin = n0 + rn < blen
+        tl.store(DK + b * sdkb + tok[:, None] * sdkt + h * sdkh + d[None, :] * sdkd, acc.to(DK.dtype.element_ty),
+                 mask=tin[:, None] & (d[None, :] < Dk))
+        dvc = d - Dk
+        tl.store(DV + b * sdvb + tok[:, None] * sdvt + h * sdvh + dvc[None, :] * sdvd, acc.to(DV.dtype.element_ty),
+                 mask=tin[:, None] & (dvc[None, :] >= 0) & (dvc[None, :] < Dv))
+
+
+def _empty(shape, like, dtype=None):
+    out = torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float):
+    """(dq, dk, dv) in the dtypes of q, k, v. indices: no repeated block in a row (the entry point
+    deduplicates)."""
+    grads, launches = backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel, scale)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return grads
+
+
+def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, cfg=None,
+                      n_programs=None):
+    """((dq, dk, dv), [(kernel, grid, args, kwargs), ...]): the outputs and the kernel launches that fill
+    them, in order (dq + delta, dk/dv, reduce). The reverse index and the work plan are built here.
+    cfg / n_programs: launch parameters for another device than q's (ahead-of-time compile checks)."""
+    B, T, Hq, Dk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    dq = _empty(q.shape, q)
+    dk = _empty(k.shape, k)
+    dv = _empty(v.shape, v)
+    if B * T * Hq == 0:
+        return (dq.zero_(), dk.zero_(), dv.zero_()), []
+    G = Hq // Hkv
+    cfg = cfg or bwd_config(G, Dk, Dv, block_sel, q.dtype, q.device)
+    n_programs = n_programs or _n_programs(q.device)
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)  # rowsum(dO * O), written by the dq kernel
+    qk_scale = scale * LOG2E
+    launches = []
+
+    dqc = cfg["dq"]
+    launches.append((_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
+        q, k, v, indices, seq_start, o, do, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
+        *lse.stride(), *dq.stride(),
+        Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale,
+    ), dict(IEEE=cfg["ieee"], **dqc)))
+
+    plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"])
+    part = torch.empty(plan.n_partials_bound, cfg["ls_pad"], Dk + Dv, device=q.device, dtype=torch.float32)
+    launches.append((_sel_bwd_dkdv_kernel, (max(1, min(n_programs, plan.items.shape[0] * cfg["n_sub"])),), (
+        q, k, v, do, lse, delta, dk, dv, part, plan.items, plan.n_items, plan.queries,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+        part.stride(0), part.stride(1),
+        Hkv, G, Dk, Dv, qk_scale, scale,
+    ), dict(N_SUB=cfg["n_sub"], IEEE=cfg["ieee"], N_FIELDS=ITEM_FIELDS, **cfg["dkdv"])))
+
+    launches.append((_sel_bwd_reduce_kernel, (n_programs,), (
+        part, dk, dv, plan.reduce, plan.n_reduce,
+        part.stride(0), part.stride(1), *dk.stride(), *dv.stride(),
+        Hkv, Dk, Dv,
+    ), dict(LS_PAD=cfg["ls_pad"], N_FIELDS=REDUCE_FIELDS, **cfg["reduce"])))
+    return (dq, dk, dv), launches
+
+
+def plan_backward(indices, seq_start, block_sel: int, chunk: int):
+    """The reverse index and the dK/dV work plan (device tensors only, no host sync)."""
+    return plan_work(build_reverse_index(indices, seq_start, block_sel), chunk)
+
+
+__all__ = ["sel_backward", "backward_launches", "plan_backward", "bwd_config"]

@@ -1,0 +1,152 @@
+"""Forward of NSA's selected attention (Triton): o and the log-sum-exp for the backward.
+
+Group-centric: one program per (TOKENS consecutive tokens, batch x KV head, tile of query heads). The G
+query heads of a KV head are the rows of tl.dot (padded to BLOCK_G >= 16), so each selected K/V block
+is loaded once per token and group; consecutive tokens share many blocks (the forced first and local
+ones, and what their scores agree on), so a program walks TOKENS of them in turn and finds those
+blocks in its SM's L1.
+
+The block loop is flat and branch-free so Triton can software-pipeline it (num_stages: the K/V tiles of
+the next blocks are copied asynchronously while the current one is computed): iteration `it` takes block
+it // N_SUB and its sub-tile it % N_SUB (blocks longer than BLOCK_N), and a -1 id or a token after the
+query only masks the loads. V is loaded after the first dot, so the K and V tiles are never live at once.
+Online softmax in fp32, exp2 domain. Offsets are int64 where a stride times an index can pass 2**31.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _np2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit
+def _sel_fwd_kernel(
+    Q, K, V, IDX, SS, O, LSE,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sib, sit, sih, sin,
+    ssb, sst,
+    sob, sot, soh, sod,
+    slb, slt, slh,
+    T, Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
+    EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+    g0 = tl.program_id(2) * BLOCK_G
+
+    rg = g0 + tl.arange(0, BLOCK_G)
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    g_ok = rg < G
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    heads = (h * G + rg).to(tl.int64)
+    k_base = K + b * skb + h * skh + rdk[None, :] * skd
+    v_base = V + b * svb + h * svh + rdv[None, :] * svd
+
+    for tt in range(TOKENS):
+        t = (tl.program_id(0) * TOKENS + tt).to(tl.int64)
+        if t < T:
+            start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
+            pos = t - start
+            q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
+                        mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
+            idx_base = IDX + b * sib + t * sit + h * sih
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+            for it in tl.range(0, n_sel * N_SUB, num_stages=STAGES):
+                i = it // N_SUB
+                c = (it - i * N_SUB) * BLOCK_N
+                j = tl.load(idx_base + i * sin).to(tl.int64)
+                local = j * block_sel + c + rn
+                keep = (j >= 0) & (c + rn < block_sel) & (local <= pos)
+                tok = start + local
+                if EVEN_DK:  # no column mask: fewer predicate registers, wider loads
+                    kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None], other=0.0)
+                else:
+                    kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None] & dk_ok[None, :], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kb))
+                s = tl.where(keep[None, :], s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if EVEN_DV:  # V after the first dot: K and V tiles are not live at once
+                    vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None], other=0.0)
+                else:
+                    vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None] & dv_ok[None, :], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+                m_i = m_new
+            has = l_i > 0
+            o = acc / tl.where(has, l_i, 1.0)[:, None]
+            tl.store(O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod, o.to(O.dtype.element_ty),
+                     mask=g_ok[:, None] & dv_ok[None, :])
+            lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            tl.store(LSE + b * slb + t * slt + heads * slh, lse, mask=g_ok)
+
+
+def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
+                  max_block_n: int = 64) -> dict:
+    """Tile sizes, tokens per program, warps and pipeline depth for one shape (H100, bench/tune_kernels.py:
+    3 stages, 2 tokens, 4 warps for G=16, D=128 at 16k-64k)."""
+    wide = max(Dk, Dv) > 128
+    return {
+        "BLOCK_G": min(max(16, _np2(G)), max_block_g),
+        "BLOCK_N": min(max(16, _np2(block_sel)), max_block_n),
+        "BLOCK_DK": max(16, _np2(Dk)),
+        "BLOCK_DV": max(16, _np2(Dv)),
+        "TOKENS": 1 if wide else 2,
+        "STAGES": 2 if wide else 3,
+        "num_warps": 8 if wide else 4,
+    }
+
+
+def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, config: dict | None = None,
+                max_block_g: int = 64, max_block_n: int = 64):
+    """(o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row).
+    indices int32 [B, T, Hkv, n]; seq_start int [B, T]; config overrides launch_config's choices."""
+    B, T, Hq, Dk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
+    if B * T * Hq == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    G = Hq // Hkv
+    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n), **(config or {})}
+    if not torch.cuda.is_available():
+        meta.pop("num_warps", None)
+    n = indices.shape[3]
+    meta["N_SUB"] = triton.cdiv(block_sel, meta["BLOCK_N"])
+    meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] == Dk, meta["BLOCK_DV"] == Dv
+    grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))
+    _sel_fwd_kernel[grid](
+        q, k, v, indices, seq_start, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
+        T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E,
+        IEEE=q.dtype == torch.float32, **meta,
+    )
+    return o, lse
+
+
+__all__ = ["sel_forward", "launch_config"]

@@ -1,0 +1,219 @@
+"""The Triton decode kernels in Triton's CPU interpreter (TRITON_INTERPRET=1), fp32 and fp16, tiny shapes.
+
+(bf16 only on the GPU: the interpreter of triton 3.7 returns garbage from tl.dot on bf16 inputs.)
+
+- ragged packed prefill + kernel decode steps equal the prefill of each whole sequence: identical blocks,
+  outputs to 1e-5, at positions where a compressed block completes, the window wraps and a selection
+  block starts, with the work split over several programs (compressed blocks, window slots, scoring
+  chunks, selected blocks), Dk != Dv, head dims and group sizes that are not powers of two;
+- mathematically equal scores: bitwise-equal scores and the prefill's (lower-index) choice;
+- compress="mlp" and separate K/V per branch; the tiny model generating through the kernels;
+- the launcher: five launches, no host synchronisation, no allocation with out=; a step that dies after
+  the append kernel leaves the cache consistent; routing and telemetry.
+Skipped with the reason when triton does not import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
+# Triton picks interpreter or compiler when a kernel is decorated: set it before the kernel module loads.
+if "nsa.kernels.triton.decode" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from nsa.kernels.triton import decode as kd
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"nsa.kernels.triton.decode does not import: {e}", allow_module_level=True)
+if "Interpreted" not in type(kd._append_kernel).__name__:
+    pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+
+from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from nsa import NSAConfig, nsa_decode, nsa_reference, telemetry  # noqa: E402
+from nsa import decode as decode_mod  # noqa: E402
+from nsa.model.llama_block_nsa import TinyNSALM  # noqa: E402
+
+# window 40 > 16 keys per tile: three window programs; selection blocks of 8, four of them per query
+CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_local=2, window=40)
+EVENTS = {"cmp_block_completes", "window_wraps", "sel_block_starts"}
+
+
+@pytest.fixture(autouse=True)
+def _interp(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("NSA_USE_TRITON_DECODE", raising=False)
+    # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes
+    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4))
+    telemetry.reset()
+    saved = (decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu)
+    yield
+    decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu = saved
+
+
+def _check_case(case, *, max_len=None, tol=1e-5):
+    cache = prefill_cache(case, max_len=max_len)
+    want, want_idx = expected(case)
+    got, idx = decode_all(case, cache, "triton")
+    assert torch.equal(idx, want_idx)
+    assert torch.isfinite(got).all() and rel_err(got, want) <= tol
+    assert cache.cache_seqlens.tolist() == cache.host_seqlens() == [L + case.steps for L in case.lengths]
+    return cache, idx
+
+
+def test_kernels_ragged_decode_equals_prefill(gen):
+    # 0 -> first blocks; 37 -> window wraps at 40, block at 39, selection block at 40; 70 -> 2 compressed splits
+    case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
+    cache, _ = _check_case(case)
+    ws = kd.workspace_for(cache, 4)
+    assert ws.n_split_cmp >= 2 and ws.n_split_win >= 3 and ws.n_chunks >= 3 and ws.n_split_sel >= 2
+    assert EVENTS <= all_events(case, cache)
+    assert telemetry.served("sel")["triton_decode"] == 5
+
+
+def test_kernels_fp16(gen):
+    """The 16-bit path (bf16 on the GPU takes the same code): blocks as prefill on most rows, outputs close."""
+    case = make_case(gen, CFG, [6, 45], 4, 4, 2, 16, 16, dtype=torch.float16)
+    cache = prefill_cache(case)
+    want, want_idx = expected(case)
+    got, idx = decode_all(case, cache, "triton")
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    same = (idx == want_idx).all(dim=-1).all(dim=-1)
+    assert same.float().mean() >= 0.85
+    assert rel_err(got[same], want[same]) <= 5e-3
+
+
+def test_kernels_odd_group_and_head_dims(gen):
+    cfg = CFG.with_(window=12, n_sel=3, n_local=1)
+    case = make_case(gen, cfg, [9, 23], 4, 5, 1, 12, 20, dtype=torch.float32)
+    _check_case(case)
+
+
+def test_kernels_mlp_compression_and_branch_kv(gen):
+    cfg = CFG.with_(compress="mlp", window=12)
+    w = torch.randn(cfg.block_cmp, generator=gen)
+    phi = (lambda x: torch.einsum("nlhd,l->nhd", x, w.to(x.dtype)),
+           lambda x: torch.einsum("nlhd,l->nhd", x, w.to(x.dtype)).cos())
+    case = make_case(gen, cfg, [6, 19], 4, 4, 2, 16, 16, dtype=torch.float32, branch_kv=True, compress_fn=phi)
+    _check_case(case)
+
+
+@pytest.mark.parametrize("tie", ["zero_q", "identical_blocks"])
+def test_equal_scores_are_bitwise_equal_and_ties_go_to_the_lower_block(gen, tie):
+    """q = 0, or every compressed key identical (constant keys in exact binary fractions): every full block
+    scores the same; the kernels must give them bitwise-equal scores and pick what prefill and the oracle pick."""
+    case = make_case(gen, CFG, [44, 61], 3, 4, 2, 16, 16, dtype=torch.float32, zero_q=tie == "zero_q")
+    if tie == "identical_blocks":
+        pattern = torch.tensor([0.5, -1.0, 0.25, 1.0] * 4)
+        case.full["k"][:] = pattern
+    cache, idx = _check_case(case)  # the prefill's blocks
+    ws = kd.workspace_for(cache, 4)
+    for b, L in enumerate(case.lengths):
+        t = L + case.steps - 1
+        # blocks 1 .. whose overlapping compressed blocks (2j-1 .. 2j+1) are all visible at the last step
+        full_blocks = ws.scores[b * 2:(b + 1) * 2, 1:(t - CFG.block_cmp + 1) // CFG.block_sel]
+        assert full_blocks.shape[1] >= 3
+        assert (full_blocks == full_blocks[:, :1]).all(), "equal blocks got different scores"
+    f = case.full
+    ref = nsa_reference(f["q"], f["k"], f["v"], f["g"], CFG, cu_seqlens=torch.tensor(case.cu_full, dtype=torch.int32))
+    assert torch.equal(idx, torch.stack([ref.indices[0, r] for r in decode_rows(case)], dim=1))
+
+
+def test_tiny_model_generates_through_the_kernels():
+    torch.manual_seed(0)
+    cfg = CFG.with_(window=8)
+    model = TinyNSALM(32, 16, 1, 4, 2, 8, 8, cfg, decode_backend="triton").eval()
+    prompt = torch.randint(0, 32, (2, 11))
+    out, logits = model.generate(prompt, 4, return_logits=True)
+    ref, ref_logits = model.generate_uncached(prompt, 4, return_logits=True)
+    assert torch.equal(out, ref)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    assert telemetry.served("cmp")["triton_decode"] == 3
+
+
+# --- the launcher ----------------------------------------------------------------------------------------
+
+KERNELS = ("_append_kernel", "_cmp_win_kernel", "_score_topk_kernel", "_sel_kernel", "_combine_kernel")
+
+
+class _Recorder:
+    def __init__(self, name, log, real=None, fail=False):
+        self.name, self.log, self.real, self.fail = name, log, real, fail
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, grid))
+            if self.fail:
+                raise RuntimeError(f"injected failure in {self.name}")
+            if self.real is not None:
+                return self.real[grid](*args, **kwargs)
+        return launch
+
+
+class _Watch(TorchFunctionMode):
+    SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
+    ALLOC = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "tensor", "arange", "clone",
+             "contiguous", "to", "new_empty", "new_zeros", "new_full"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.allocs = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.SYNCS:
+            self.syncs.append(name)
+        if name in self.ALLOC:
+            self.allocs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_launcher_five_launches_no_sync_no_allocation(gen, monkeypatch):
+    case = make_case(gen, CFG, [5, 20], 2, 4, 2, 16, 16, dtype=torch.float32)
+    cache = prefill_cache(case, max_len=30)
+    log = []
+    for name in KERNELS:
+        monkeypatch.setattr(kd, name, _Recorder(name, log))  # launches recorded, nothing runs
+    f, row = case.full, decode_rows(case)[0]
+    args = [f[n][0, row][:, None] for n in "qkvg"]
+    out = torch.empty(2, 1, 4, 16)
+    nsa_decode(*args, cache, backend="triton", out=out)  # first step: makes the workspace
+    log.clear()
+    with _Watch() as watch:
+        res = nsa_decode(*args, cache, backend="triton", out=out)
+    assert res is out
+    assert [n for n, _ in log] == list(KERNELS)
+    assert watch.syncs == [] and watch.allocs == []
+
+
+def test_failure_after_the_append_kernel_leaves_the_cache_consistent(gen, monkeypatch):
+    case = make_case(gen, CFG, [13, 30], 3, 4, 2, 16, 16, dtype=torch.float32)
+    cache = prefill_cache(case)
+    want, want_idx = expected(case)
+    log = []
+    real = kd._score_topk_kernel
+    monkeypatch.setattr(kd, "_score_topk_kernel", _Recorder("_score_topk_kernel", log, fail=True))
+    f, row = case.full, decode_rows(case)[0]
+    with pytest.raises(RuntimeError, match="injected"):
+        nsa_decode(*(f[n][0, row][:, None] for n in "qkvg"), cache, backend="triton")
+    assert cache.cache_seqlens.tolist() == [13, 30] and cache.host_seqlens() == [13, 30]
+    monkeypatch.setattr(kd, "_score_topk_kernel", real)
+    got, idx = decode_all(case, cache, "triton")
+    assert torch.equal(idx, want_idx) and rel_err(got, want) <= 1e-5
+
+
+def test_auto_routes_to_the_kernels_when_they_can_run(gen):
+    decode_mod.HOOKS.allow_cpu = True
+    case = make_case(gen, CFG, [3, 9], 1, 4, 2, 16, 16, dtype=torch.float32)
+    cache = prefill_cache(case)
+    telemetry.reset()
+    decode_all(case, cache, "auto")
+    counts = {(r["branch"], r["backend"], r["reason"]): r["calls"] for r in telemetry.snapshot()["counts"]}
+    assert counts == {(b, "triton_decode", "ok"): 1 for b in ("cmp", "sel", "win")}

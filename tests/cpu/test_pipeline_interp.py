@@ -1,0 +1,232 @@
+"""The fused pipeline and its new kernels on the CPU: Triton's interpreter (TRITON_INTERPRET=1) runs the top-n,
+selection and combine kernels, an emulation of FlashAttention-2's contract (tests/cpu/fa2_emulation.py)
+serves the compressed and sliding branches, so `nsa_attention(backend="auto")` takes the same fused
+executor it takes on a GPU. Checked against the chunked torch path and the fp64 reference: outputs,
+gradients, block indices, telemetry (the fused path ran, no fallback).
+
+fp32 throughout: the interpreter's bf16 tl.dot is not faithful (the GPU suite covers bf16 and fp16).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
+if not any(m.startswith("nsa.kernels.triton.") for m in sys.modules):
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules load
+try:
+    from nsa.kernels.triton import combine, topn
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"the Triton kernels do not import: {e}", allow_module_level=True)
+if "Interpreted" not in type(topn._topn_kernel).__name__:
+    pytest.skip("the kernel modules were loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+
+from nsa import NSAConfig, nsa_attention, nsa_reference, plan, telemetry  # noqa: E402
+from nsa.branches.compressed.naive import compressed_attention  # noqa: E402
+from nsa.branches.selected.naive import top_n  # noqa: E402
+from nsa.compress import compress_kv  # noqa: E402
+from nsa.layout import dense_layout, packed_layout  # noqa: E402
+from nsa.pipeline import combine_torch  # noqa: E402
+
+from . import backend_fakes  # noqa: E402
+from .helpers import SMALL, make_inputs, rel_err  # noqa: E402
+
+clean_env = backend_fakes.clean_env
+emulated = backend_fakes.emulated
+CFG = SMALL["l8d4s8n4"]
+CFGS = [CFG, SMALL["l8d4s16n4i0"], SMALL["l16d4s8n5i1l1"], SMALL["l8d8s8n3i0l0"],
+        NSAConfig(block_cmp=16, stride_cmp=8, block_sel=16, n_sel=3, n_init=1, n_local=1, window=24)]
+
+
+@pytest.fixture
+def fused(clean_env):
+    """Emulated FA-2 for cmp/win, the Triton kernels allowed on CPU: auto takes the fused executor."""
+    clean_env.setattr(plan, "PROVIDERS", {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
+                                          "sdpa": plan.PROVIDERS["sdpa"]})
+    clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
+    clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    for prov in plan.TRITON.values():
+        clean_env.setattr(prov, "allow_cpu", True)
+    return clean_env
+
+
+def served():
+    return {s: sorted(telemetry.served(s)) for s in ("cmp", "topn", "sel", "win", "combine")}
+
+
+def assert_fused():
+    assert served() == {"cmp": ["flash_attn"], "topn": ["triton"], "sel": ["triton"], "win": ["flash_attn"],
+                        "combine": ["triton"]}, telemetry.snapshot()["counts"]
+    assert telemetry.snapshot()["fallbacks"] == 0
+
+
+def _packed(gen, lengths, Hq, Hkv, Dk, Dv, dtype=torch.float32, requires_grad=False):
+    T = sum(lengths)
+    q, k, v, g = make_inputs(gen, 1, T, Hq, Hkv, Dk, Dv, dtype, requires_grad)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k, v, g, cu
+
+
+# --- the fused executor end to end ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cfg", CFGS[:3], ids=["l8d4s8", "l8d4s16", "l16d4s8"])
+def test_fused_matches_torch_path(fused, gen, cfg, packed):
+    if packed:
+        q, k, v, g, cu = _packed(gen, [0, 1, 7, 8, 0, 33, 20], 4, 2, 16, 8, requires_grad=True)
+    else:
+        (q, k, v, g), cu = make_inputs(gen, 2, 45, 4, 2, 16, 8, torch.float32, True), None
+    want, want_idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
+    telemetry.reset()
+    got, idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, return_indices=True)
+    assert_fused()
+    assert torch.equal(idx, want_idx)
+    assert rel_err(got, want) <= 2e-5
+    go = torch.randn(got.shape, generator=gen)
+    grads = zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go))
+    for name, a, b in grads:
+        assert rel_err(a, b) <= 2e-5, name
+
+
+def test_fused_vs_reference_with_reference_blocks(fused, gen):
+    q, k, v, g = make_inputs(gen, 1, 60, 4, 1, 8, 8, torch.float32)
+    ref = nsa_reference(q, k, v, g, CFG)
+    telemetry.reset()
+    out, idx = nsa_attention(q, k, v, g, CFG, return_indices=True)
+    assert_fused()
+    assert torch.equal(idx, ref.indices)
+    assert rel_err(out, ref.out) <= 2e-5
+
+
+def test_fused_given_blocks_and_empty_input(fused, gen):
+    q, k, v, g = make_inputs(gen, 1, 30, 2, 1, 8, 8, torch.float32)
+    idx = torch.full((1, 30, 1, CFG.n_sel), -1, dtype=torch.int32)
+    idx[..., 0] = 0
+    telemetry.reset()
+    out = nsa_attention(q, k, v, g, CFG, block_indices=idx)
+    assert telemetry.served("topn") == {"given": 1} and telemetry.served("sel") == {"triton": 1}
+    assert rel_err(out, nsa_attention(q, k, v, g, CFG, backend="torch", block_indices=idx)) <= 2e-5
+    q0, k0, v0, g0 = make_inputs(gen, 1, 0, 2, 1, 8, 8, torch.float32)
+    assert nsa_attention(q0, k0, v0, g0, CFG).shape == (1, 0, 2, 8)
+
+
+# --- the top-n kernel against the naive top-n: every configuration rule, dense, batched, packed ------------
+
+
+def _topn_case(gen, cfg, B, T, Hq, Hkv, D, cu=None):
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    k = torch.randn(B, T, Hkv, D, generator=gen)
+    layout = packed_layout(cu, T, cfg) if cu is not None else dense_layout(B, T, cfg, "cpu")
+    kc, vc = compress_kv(k, k, layout, cfg)
+    scale = D ** -0.5
+    _, lse = compressed_attention(q, kc, vc, layout, cfg, scale)
+    want = top_n(q, kc, lse, layout, cfg, scale)
+    got = topn.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)
+    return got, want
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=["l8d4s8n4", "l8d4s16i0", "l16d4s8n5", "l8d8s8n3", "l16d8s16n3"])
+@pytest.mark.parametrize("T", [1, 7, 8, 9, 70])
+def test_topn_kernel_matches_naive(gen, cfg, T):
+    got, want = _topn_case(gen, cfg, 2, T, 4, 2, 16)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("G,D", [(1, 8), (3, 24), (16, 16)])
+def test_topn_kernel_groups_and_head_dims(gen, G, D):
+    got, want = _topn_case(gen, CFG, 1, 40, G * 2, 2, D)
+    assert torch.equal(got, want)
+
+
+def test_topn_kernel_packed_short_and_empty_sequences(gen):
+    lengths = [0, 1, 2, 3, 9, 0, 31, 1, 40]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    got, want = _topn_case(gen, CFG, 1, sum(lengths), 4, 2, 16, cu)
+    assert torch.equal(got, want)
+
+
+def test_topn_kernel_tiles_spanning_sequences(gen, monkeypatch):
+    """Tiles of 8 tokens over many short sequences: one pass per sequence inside a tile."""
+    monkeypatch.setattr(topn, "tile_config", lambda G, D: {"BLOCK_T": 8, "BLOCK_G": 2, "CMP_PER_CHUNK": 16,
+                                                           "num_warps": 4})
+    lengths = [3, 4, 1, 5, 12, 2, 2, 19]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    got, want = _topn_case(gen, CFG, 1, sum(lengths), 2, 1, 8, cu)
+    assert torch.equal(got, want)
+
+
+def test_topn_kernel_rejects_unsupported_config():
+    cfg = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=65, n_init=1, n_local=1)
+    assert "n_sel=65" in topn.unsupported(cfg)
+
+
+# --- exact ties: every path picks the lower block, whatever its chunking or reduction order ---------------
+
+def _tie_inputs(gen, T=96, Hq=2, D=4):
+    """Keys repeating every 2 selection blocks and a run of q = 0, all small multiples of 1/4 so that every
+    product and sum is exact in any order (the interpreter's numpy matmul is not position-independent)."""
+    cfg = NSAConfig(block_cmp=8, stride_cmp=8, block_sel=8, n_sel=2, n_init=1, n_local=0, window=4)
+    q = torch.randint(-4, 5, (1, T, Hq, D), generator=gen).double() / 4
+    k = torch.randint(-4, 5, (1, T, 1, D), generator=gen).double() / 4
+    k[:, 16:] = k[:, :16].repeat(1, T // 16 - 1, 1, 1)
+    q[:, 60:70] = 0
+    v = torch.randn(1, T, 1, 3, generator=gen, dtype=torch.float64)
+    g = torch.rand(1, T, Hq, 3, generator=gen, dtype=torch.float64)
+    return cfg, q, k, v, g
+
+
+def test_ties_reference_torch_chunks_and_kernel_agree(gen):
+    cfg, q, k, v, g = _tie_inputs(gen)
+    ref = nsa_reference(q, k, v, g, cfg)
+    # Rule check on a row with a known tie: t=43 sees blocks 0..5; 2 and 4 repeat 0's keys, 1, 3, 5 repeat.
+    assert ref.indices[0, 43, 0, 0] == 0
+    for chunk in (None, 1, 5, 96):
+        _, idx = nsa_attention(q, k, v, g, cfg, backend="torch", chunk_size=chunk, return_indices=True)
+        assert torch.equal(idx, ref.indices), chunk
+    layout = dense_layout(1, 96, cfg, "cpu")
+    kc, vc = compress_kv(k, k, layout, cfg)
+    _, lse = compressed_attention(q, kc, vc, layout, cfg, 0.5)
+    got = topn.topn_triton(q.float(), kc.float(), lse.float(), layout.seq_start, layout.cmp_slot0, cfg, 0.5)
+    assert torch.equal(got, ref.indices)
+
+
+def test_issue_reproducer_ties_in_fp64(gen):
+    """Equal blocks at 8 and 16/32: prefill (any chunking), the reference and decode pick [0, 1] at t=43."""
+    cfg = NSAConfig(block_cmp=8, stride_cmp=8, block_sel=8, n_sel=2, n_init=1, n_local=0, window=4)
+    g5 = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 48, 2, 4, generator=g5, dtype=torch.float64)
+    k = torch.randn(1, 48, 1, 4, generator=g5, dtype=torch.float64)
+    v = torch.randn(1, 48, 1, 3, generator=g5, dtype=torch.float64)
+    gates = torch.rand(1, 48, 2, 3, generator=g5, dtype=torch.float64)
+    k[:, 16:24] = k[:, 8:16]
+    k[:, 32:40] = k[:, 8:16]
+    ref = nsa_reference(q, k, v, gates, cfg)
+    assert ref.indices[0, 43, 0].tolist() == [0, 1]
+    for chunk in (None, 1):
+        out, idx = nsa_attention(q, k, v, gates, cfg, backend="torch", chunk_size=chunk, return_indices=True)
+        assert idx[0, 43, 0].tolist() == [0, 1] and rel_err(out, ref.out) <= 1e-10
+
+
+# --- the gate combine kernel ---------------------------------------------------------------------------------
+
+
+def test_combine_kernel_forward_backward(gen):
+    shape = (2, 5, 3, 12)
+    o = [torch.randn(*shape, generator=gen).requires_grad_() for _ in range(3)]
+    g = torch.rand(*shape[:3], 3, generator=gen).requires_grad_()
+    got = combine.gate_combine(g, *o)
+    want = combine_torch(g, *o)
+    assert rel_err(got, want) <= 1e-6
+    go = torch.randn(shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(got, [g, *o], go), torch.autograd.grad(want, [g, *o], go)):
+        assert rel_err(a, b) <= 1e-6
+    with pytest.raises(ValueError, match="do not match"):
+        combine.gate_combine(g, o[0], o[1][:, :4], o[2])

@@ -1,13 +1,13 @@
 """nox sessions: the same commands on a laptop, in our images, on the lent GPU machine and in CI.
 
 Every session installs one configuration cell of requirements/matrix.toml exactly, from its hash-pinned
-lock, then this project without dependencies. Pick a cell with NSA_CELL (default: the CPU cell).
+lock and its package index, then this project without dependencies. Pick a cell with NSA_CELL (default:
+the Quick-start cell of the interpreter nox runs on, [defaults.quickstart] of the matrix).
 `--no-venv` runs a session in the current interpreter (inside an image or on a prepared GPU host).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,42 +16,11 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
+from ci.install import install_cell  # noqa: E402  (the checkout's ci/ package, found through sys.path)
+
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "cpu_smoke"]
 nox.options.error_on_missing_interpreters = False
-
-DEFAULT_CELL = "cpu-torch2.13-py311"
-
-
-def cell_id() -> str:
-    return os.environ.get("NSA_CELL", DEFAULT_CELL)
-
-
-def install_cell(session: nox.Session, cell: str | None = None) -> None:
-    """Install the cell's lock exactly (hashes, no resolver), then this project without dependencies.
-
-    With --no-venv nothing is installed: the interpreter is assumed prepared (image, GPU host).
-    """
-    if isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
-        session.log("--no-venv: using the current interpreter as it is")
-        return
-    cell = cell or cell_id()
-    lock = ROOT / "requirements" / "locks" / f"{cell}.txt"
-    if not lock.exists():
-        rel = lock.relative_to(ROOT)
-        session.error(f"no lock for cell {cell!r}: expected {rel} (run `nox -s lock -- {cell}`)")
-    # A lock is resolved for one Python (its header says which): refuse another one with a clear error
-    # rather than letting pip fail on a missing wheel deep in the install.
-    header = [ln for ln in lock.read_text().splitlines() if ln.startswith("# python:")]
-    want = header[0].split(":", 1)[1].strip() if header else ""
-    have = session.run("python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])", silent=True)
-    have = have.strip() if isinstance(have, str) else want  # nox returns None under --no-install reuse
-    if want and want != have:
-        session.error(f"cell {cell!r} is locked for Python {want}, this session runs Python {have}")
-    # Torch builds that are not on PyPI (the CPU cell's +cpu) come from PIP_EXTRA_INDEX_URL / PIP_FIND_LINKS,
-    # which pip reads from the environment (docs/environments.md).
-    session.install("--require-hashes", "--no-deps", "-r", str(lock))
-    session.install("--no-deps", "--no-build-isolation", "-e", ".")
 
 
 @nox.session
@@ -97,65 +66,56 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def rehearse(session: nox.Session) -> None:
-    """Run ci.yml's CPU jobs' steps locally with `act` on this host, offline (ci/rehearse.py says which;
-    docs/runners.md says how). `act` comes from requirements/locks/lint.txt. Args: job ids."""
+    """Run ci.yml's CPU jobs' steps locally with `act` on this host as on a runner that reaches only package
+    indexes (ci/rehearse.py says which jobs and how; docs/runners.md). `act` comes from
+    requirements/locks/lint.txt. Args: job ids (default: tests smoke)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
-    session.run("python", "ci/rehearse.py", *session.posargs)
+    session.run("python", "-m", "ci.rehearse", *session.posargs)
 
 
 @nox.session(python=False)
 def images(session: nox.Session) -> None:
     """Docker images of the matrix cells (docs/images.md). `-- --plan [CELL ...]` prints the build plan
-    (tags, bases, flash-attn source, expected size) without building; `-- [CELL ...] [--offline] [--push]
-    [--registry R]` builds one cell or all (ci/images.py, BuildKit); `-- --ci` is CI's build-and-run test of
-    the CPU image (docker/build_cpu_ci.sh: root, installs docker.io, ~3 min)."""
+    (tags, bases, build args, flash-attn, expected size) without building; `-- [CELL ...] [--offline]
+    [--without-flash-attn] [--push] [--registry R]` builds one cell or all (ci/images.py, BuildKit);
+    `-- --ci [cpu] [gpu]` is CI's build-and-check of the CPU image and the cu130-torch2.11-py312 image
+    (docker/ci_images.sh: root, installs docker.io, 5-10 min)."""
     args = list(session.posargs)
     if "--ci" in args:
-        session.run("bash", "docker/build_cpu_ci.sh", external=True, env={"PYTHON": sys.executable})
-        return
-    if "--plan" in args:
+        args.remove("--ci")
+        session.run("bash", "docker/ci_images.sh", *args, external=True, env={"PYTHON": sys.executable})
+    elif "--plan" in args:
         args.remove("--plan")
         session.run(sys.executable, "-m", "ci.images", "plan", *args, external=True)
-        return
-    session.run(sys.executable, "-m", "ci.images", "build", *args, external=True)
+    else:
+        session.run(sys.executable, "-m", "ci.images", "build", *args, external=True)
 
 
 # --- GPU suites (ci/gpu_sessions.py; docs/gpu-suites.md) -------------------------------------------------
-# Each: fails on a machine with no GPU unless `-- --skip-no-gpu` (or NSA_SKIP_NO_GPU=1); writes
-# artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json, junit, logs). `-- --full`: long sweeps.
+# One session definition for the four suites. Each fails on a machine with no GPU unless `-- --skip-no-gpu`
+# (or NSA_SKIP_NO_GPU=1) and writes artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json,
+# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench.
+GPU_SUITES = {
+    "gpu_parity": "GPU parity: FA-2 cmp/win, Triton selection (when present), decode vs prefill, torch vs fp64 oracle.",
+    "backward": "Gradient parity, fp64 gradcheck on CUDA, and the tiny model's training smoke (loss must fall).",
+    "bench": "Prefill, decode and FA-2 benches (quick; `-- --full` for the sweeps), then the bench gate.",
+    "oneshot": "The seeds' runbook in order: environment, routing, sanity, tests, benches, report.",
+}
 
 
-@nox.session
-def gpu_parity(session: nox.Session) -> None:
-    """GPU parity: FA-2 cmp/win, Triton selection (when present), decode vs prefill, torch vs fp64 oracle."""
-    from ci.gpu_sessions import nox_entry
+def _gpu_session(suite: str, doc: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        from ci.gpu_sessions import nox_entry
 
-    nox_entry(session, "gpu_parity")
+        nox_entry(session, suite)
 
-
-@nox.session
-def backward(session: nox.Session) -> None:
-    """Gradient parity, fp64 gradcheck on CUDA, and the tiny model's training smoke (loss must fall)."""
-    from ci.gpu_sessions import nox_entry
-
-    nox_entry(session, "backward")
+    session_fn.__doc__ = doc
+    nox.session(name=suite, tags=[] if suite == "oneshot" else ["gpu"])(session_fn)
 
 
-@nox.session
-def bench(session: nox.Session) -> None:
-    """Prefill, decode and FA-2 benches (quick; `-- --full` for the sweeps), then the bench gate."""
-    from ci.gpu_sessions import nox_entry
-
-    nox_entry(session, "bench")
-
-
-@nox.session
-def oneshot(session: nox.Session) -> None:
-    """The seeds' runbook in order: environment, routing, sanity, tests, benches, report."""
-    from ci.gpu_sessions import nox_entry
-
-    nox_entry(session, "oneshot")
+for _suite, _doc in GPU_SUITES.items():
+    _gpu_session(_suite, _doc)
 
 
 @nox.session(venv_backend="none")

@@ -396,7 +396,7 @@ def render_summary(state: dict, files: list[str]) -> str:
             log = f" [{s['log']}]" if s.get("log") else ""
             lines.append(f"- {s['name']}: {s['status']} ({_fmt_runtime(s.get('seconds'))}){log}{note}")
     kg = known_good_record(state, artifact_dir="")
-    lines += ["", f"## Verdict: {kg['status']}", "", kg["reason"], "", "## Artifacts", ""]
+    lines += ["", f"## Verdict: {status_text(kg)}", "", kg["reason"], "", "## Artifacts", ""]
     lines += [f"- {f}" for f in files]
     return "\n".join(lines) + "\n"
 
@@ -436,26 +436,58 @@ def render_index(state: dict, files: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def known_good_record(state: dict, artifact_dir: str) -> dict:
-    """The run's known-good entry. Known-good needs every suite run to PASS and the correctness suites run."""
-    e = state.get("env") or {}
-    suites = state.get("suites") or {}
+KNOWN_GOOD, HOST_ENV = "known-good", "passes-on-host"
+
+
+def lock_differences(lock_check: dict | None) -> int | None:
+    """How many packages of the cell's lock are missing or at another version; None when not checked."""
+    if not lock_check or lock_check.get("error") or "missing" not in lock_check:
+        return None
+    return int(lock_check.get("missing") or 0) + int(lock_check.get("wrong_version") or 0)
+
+
+def verdict(entry: dict) -> tuple[str, str]:
+    """(status, reason) of a run from its suites, GPUs and lock check. Known-good: every suite passed and
+    every package of the cell's lock was installed at its locked version (extra packages are listed, not
+    fatal). Suites that passed on an environment that is not the lock: passes-on-host."""
+    suites = entry.get("suites") or {}
     failed = sorted(n for n, s in suites.items() if s.get("status") != PASS)
     missing = [n for n in REQUIRED_SUITES if n not in suites]
     if failed:
-        status = "failing"
-        reason = "suites not passing: " + ", ".join(f"{n} ({suites[n].get('status')})" for n in failed)
-    elif missing:
-        status, reason = "incomplete", "suites not run: " + ", ".join(missing)
-    elif e.get("gpu_count", 0) == 0:
-        status, reason = "incomplete", "no GPU in the environment report"
-    else:
-        status, reason = "known-good", "all suites passed: " + ", ".join(sorted(suites))
+        return "failing", "suites not passing: " + ", ".join(f"{n} ({suites[n].get('status')})" for n in failed)
+    if missing:
+        return "incomplete", "suites not run: " + ", ".join(missing)
+    if not entry.get("gpu_count"):
+        return "incomplete", "no GPU in the environment report"
+    check = entry.get("lock_check")
+    differ = lock_differences(check)
+    passed = "all suites passed: " + ", ".join(sorted(suites))
+    if differ is None:
+        return HOST_ENV, f"{passed}; the installed set was not checked against the cell's lock"
+    if differ:
+        return HOST_ENV, (f"{passed}; {differ} package(s) of the cell's lock missing or at another version "
+                          f"({check.get('missing', 0)} missing, {check.get('wrong_version', 0)} other version)")
+    extra = f"; {check['extra']} extra package(s) installed" if check.get("extra") else ""
+    return KNOWN_GOOD, f"{passed}, every package of the cell's lock at its locked version{extra}"
+
+
+def status_text(entry: dict) -> str:
+    """How KNOWN_GOOD.md shows a status: `passes on host environment (N packages differ)`."""
+    if entry.get("status") != HOST_ENV:
+        return str(entry.get("status"))
+    differ = lock_differences(entry.get("lock_check"))
+    return f"passes on host environment ({'lock not checked' if differ is None else f'{differ} packages differ'})"
+
+
+def known_good_record(state: dict, artifact_dir: str) -> dict:
+    """The run's entry for KNOWN_GOOD.md; its status comes from verdict()."""
+    e = state.get("env") or {}
+    suites = state.get("suites") or {}
     headline = {}
     gate = state.get("gate") or {}
     for row in gate.get("rows") or []:
         headline[row["figure"]] = round(float(row["value"]), 4)
-    return {
+    entry = {
         "schema": KG_SCHEMA,
         "cell": state.get("cell"),
         "gpu": e.get("gpu"),
@@ -469,14 +501,14 @@ def known_good_record(state: dict, artifact_dir: str) -> dict:
         "date": state.get("updated") or now_iso(),
         "versions": {k: e.get(k) for k in ("python", "torch", "triton", "cuda", "cudnn", "flash_attn")},
         "lock": {k: (state.get("lock") or {}).get(k) for k in ("path", "sha256")},
-        "lock_drift": ((state.get("lock") or {}).get("check") or {}).get("drift"),
+        "lock_check": (state.get("lock") or {}).get("check"),
         "image_digest": (state.get("image") or {}).get("digest"),
         "suites": {n: {"status": s.get("status"), "runtime_s": s.get("runtime_s"),
                        **{k: (s.get("counts") or {}).get(k) for k in ("passed", "failed", "skipped")}}
                    for n, s in sorted(suites.items())},
         "bench_gate": gate.get("status"),
         "headline": headline,
-        "status": status,
-        "reason": reason,
         "artifacts": artifact_dir,
     }
+    entry["status"], entry["reason"] = verdict(entry)
+    return entry

@@ -12,6 +12,7 @@ summary.md / known_good.json are re-rendered after each session.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci import artifacts as A
+from ci.install import install_cell
 
 ROOT = A.ROOT
 SESSIONS = ("gpu_parity", "backward", "bench", "oneshot")
@@ -54,26 +56,15 @@ class Options:
 
 
 def parse_args(argv: list[str], environ=os.environ) -> Options:
-    o = Options(skip_no_gpu=environ.get("NSA_SKIP_NO_GPU", "") not in ("", "0"))
-    it = iter(argv)
-    for a in it:
-        if a == "--skip-no-gpu":
-            o.skip_no_gpu = True
-        elif a == "--full":
-            o.full = True
-        elif a == "--out":
-            o.out = Path(next(it))
-        elif a.startswith("--out="):
-            o.out = Path(a.split("=", 1)[1])
-        elif a in ("-n", "--numprocesses"):
-            o.workers = next(it)
-        elif a.startswith("-n") and len(a) > 2:
-            o.workers = a[2:]
-        elif a == "--":
-            continue
-        else:
-            o.pytest_args.append(a)
-    return o
+    """The session options; every other argument goes to pytest."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--skip-no-gpu", action="store_true")
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("-n", "--numprocesses", dest="workers")
+    known, rest = ap.parse_known_args([a for a in argv if a != "--"])
+    skip = known.skip_no_gpu or environ.get("NSA_SKIP_NO_GPU", "") not in ("", "0")
+    return Options(skip, known.full, known.out or Options().out, known.workers, rest)
 
 
 # --- the GPU check -------------------------------------------------------------------------------------
@@ -140,7 +131,7 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
     tmp = base / ".env-probe.json"
     base.mkdir(parents=True, exist_ok=True)
     report = A.collect_env(python, tmp, env=env)
-    cell = os.environ.get("NSA_CELL") or report.get("cell") or "unknown"
+    cell = env.get("NSA_CELL") or report.get("cell") or "unknown"
     gpus = report.get("gpus") or [{"name": n} for n in gpu_info.get("names", [])]
     run = A.RunDir.create(base, commit, cell, gpus, dirty)
     shutil.move(str(tmp), run.path / "env.json")
@@ -435,8 +426,6 @@ def nox_entry(session, name: str) -> None:
     if passthrough:
         python = sys.executable
     else:
-        from noxfile import install_cell
-
         install_cell(session)
         python = str(Path(session.virtualenv.bin) / "python")
     env = dict(os.environ)

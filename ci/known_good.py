@@ -5,8 +5,10 @@
 Inputs: known_good.json files (ci/artifacts.py writes one per run directory) or directories searched for
 them; default: artifacts/*/*/*/known_good.json. The existing root known_good.json is merged too, so
 earlier entries stay. One entry per (cell, GPU set): the newest by date wins (a later input on a tie).
-A cell is known-good on a GPU only when every suite of that run passed (ci/artifacts.known_good_record);
-when the newest run is not, the table keeps the last known-good commit beside it.
+Every entry's status is decided again here by ci.artifacts.verdict: a cell is known-good on a GPU only
+when every suite of that run passed with every package of the cell's lock installed at its locked version;
+suites that passed on another environment are `passes on host environment (N packages differ)`. When the
+newest run is not known-good, the table keeps the last known-good commit beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from ci.artifacts import HOST_ENV, KNOWN_GOOD, status_text, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "nsa-known-good/1"
@@ -52,11 +56,12 @@ def merge(docs: list[dict]) -> list[dict]:
     good: dict[tuple, dict] = {}
     for doc in docs:
         for e in _entries(doc):
+            e = {**e, **dict(zip(("status", "reason"), verdict(e)))}
             k = key(e)
             if k not in best or str(e.get("date", "")) >= str(best[k].get("date", "")):
                 best[k] = e
             newer = k not in good or str(e.get("date", "")) >= str(good[k].get("date", ""))
-            if e.get("status") == "known-good" and newer:
+            if e.get("status") == KNOWN_GOOD and newer:
                 good[k] = e
             prev = e.get("last_known_good")
             if prev and (k not in good or str(prev.get("date", "")) > str(good[k].get("date", ""))):
@@ -65,12 +70,23 @@ def merge(docs: list[dict]) -> list[dict]:
     for k in sorted(best):
         e = dict(best[k])
         g = good.get(k)
-        if e.get("status") != "known-good" and g is not None:
+        if e.get("status") != KNOWN_GOOD and g is not None:
             e["last_known_good"] = {"commit": g.get("commit"), "date": g.get("date")}
-        elif e.get("status") == "known-good":
+        elif e.get("status") == KNOWN_GOOD:
             e.pop("last_known_good", None)
         out.append(e)
     return out
+
+
+SECTIONS = (
+    (KNOWN_GOOD, "Known-good", "Every suite passed with every package of the cell's lock installed at its locked "
+     "version (in the cell's image, a venv made from its lock, or a host brought to the lock). Extra packages "
+     "are listed, not fatal."),
+    (HOST_ENV, "Passes on a host environment", "Every suite passed, but on an environment that is not the "
+     "cell's lock: packages of the lock were missing or at other versions. Evidence that the code works "
+     "there, not that the cell's lock does."),
+    (None, "Failing or incomplete", "The newest run of these failed a suite or did not run them all."),
+)
 
 
 def render_md(entries: list[dict]) -> str:
@@ -78,36 +94,42 @@ def render_md(entries: list[dict]) -> str:
         "# Known-good configurations",
         "",
         "Cell (requirements/matrix.toml) x GPU, from the GPU sessions' artifacts (docs/gpu-suites.md).",
-        "A cell is **known-good** on a GPU when every suite of its newest run passed (gpu_parity, backward,",
-        "and bench with its gate when run). Regenerate with `nox -s publish` (ci/known_good.py); do not edit.",
-        "",
-        "| Cell | GPU | Status | Date | Commit | Versions | Suites | Headline figures |",
-        "|---|---|---|---|---|---|---|---|",
+        "Regenerate with `nox -s publish` (ci/known_good.py); do not edit.",
     ]
-    for e in entries:
-        v = e.get("versions") or {}
-        gpu = e.get("gpu") or "?"
-        if (e.get("gpu_count") or 1) > 1:
-            gpu = f"{e['gpu_count']} x {gpu}"
-        if e.get("driver"):
-            gpu += f" (driver {e['driver']})"
-        status = e.get("status", "?")
-        status = f"**{status}**" if status == "known-good" else status
-        if e.get("last_known_good"):
-            lk = e["last_known_good"]
-            status += f" (last known-good: {lk.get('commit')}, {str(lk.get('date'))[:10]})"
-        versions = (f"torch {v.get('torch')}, triton {v.get('triton')}, CUDA {v.get('cuda')}, "
-                    f"Python {v.get('python')}")
-        suites = ", ".join(f"{n} {s.get('status')}" for n, s in sorted((e.get("suites") or {}).items()))
-        head = ", ".join(f"{n} {val:g} ms" for n, val in sorted((e.get("headline") or {}).items()))
-        if e.get("bench_gate"):
-            head += f" (gate {e['bench_gate']})"
-        commit = str(e.get("commit")) + (" (dirty)" if e.get("dirty") else "")
-        lines.append(f"| {e.get('cell')} | {gpu} | {status} | {str(e.get('date'))[:10]} | {commit} | {versions} "
-                     f"| {suites} | {head or '-'} |")
-    if not entries:
-        lines.append("| - | - | no runs published yet | | | | | |")
+    for status, title, what in SECTIONS:
+        rows = [e for e in entries if e.get("status") == status or (status is None and e.get("status") not in
+                                                                     (KNOWN_GOOD, HOST_ENV))]
+        lines += ["", f"## {title}", "", what, "",
+                  "| Cell | GPU | Status | Date | Commit | Versions | Lock | Suites | Headline figures |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [_row(e) for e in rows] or ["| - | - | none | | | | | | |"]
     return "\n".join(lines) + "\n"
+
+
+def _row(e: dict) -> str:
+    v = e.get("versions") or {}
+    gpu = e.get("gpu") or "?"
+    if (e.get("gpu_count") or 1) > 1:
+        gpu = f"{e['gpu_count']} x {gpu}"
+    if e.get("driver"):
+        gpu += f" (driver {e['driver']})"
+    status = status_text(e)
+    status = f"**{status}**" if e.get("status") == KNOWN_GOOD else status
+    if e.get("last_known_good"):
+        lk = e["last_known_good"]
+        status += f" (last known-good: {lk.get('commit')}, {str(lk.get('date'))[:10]})"
+    versions = (f"torch {v.get('torch')}, triton {v.get('triton')}, CUDA {v.get('cuda')}, "
+                f"Python {v.get('python')}, flash-attn {v.get('flash_attn') or 'none'}")
+    chk = e.get("lock_check") or {}
+    lock = (f"{chk.get('matching', '?')} as locked, {chk.get('missing', '?')} missing, "
+            f"{chk.get('wrong_version', '?')} other version, {chk.get('extra', '?')} extra") if chk else "not checked"
+    suites = ", ".join(f"{n} {s.get('status')}" for n, s in sorted((e.get("suites") or {}).items()))
+    head = ", ".join(f"{n} {val:g} ms" for n, val in sorted((e.get("headline") or {}).items()))
+    if e.get("bench_gate"):
+        head += f" (gate {e['bench_gate']})"
+    commit = str(e.get("commit")) + (" (dirty)" if e.get("dirty") else "")
+    return (f"| {e.get('cell')} | {gpu} | {status} | {str(e.get('date'))[:10]} | {commit} | {versions} | {lock} "
+            f"| {suites} | {head or '-'} |")
 
 
 def publish(inputs: list[Path], out_dir: Path = ROOT) -> list[dict]:

@@ -11,7 +11,8 @@ Checks (each a function taking paths, so tests can aim them at a temporary direc
   hadolint    every docker/**/Dockerfile* with .hadolint.yaml
   yamllint    workflows and YAML configs with .yamllint
   ruff        ruff check (pyproject.toml)
-  policy      this project's rules for workflows (see check_policy)
+  policy      this project's rules for workflows (see check_policy), and every action pinned at a commit whose
+              facts .github/actions.toml records, none on a Node runtime GitHub removed (check_action_pins)
 Tools come from requirements/locks/lint.txt (hash-pinned); none needs the network.
 """
 
@@ -24,13 +25,15 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA_PIN = re.compile(r"^[^@\s]+@[0-9a-f]{40}$")
 FORK_GUARD = "github.event.pull_request.head.repo.full_name == github.repository"
+USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*['\"]?([^\s'\"@]+)@([^\s'\"#]+)['\"]?\s*(?:#\s*(\S+))?")
+REMOVED_RUNTIMES = ("node12", "node16", "node20")  # GitHub's runners no longer run these
 
 
 @dataclass
@@ -83,59 +86,21 @@ def _rel(paths: Iterable[Path], root: Path) -> list[str]:
     return [str(p.resolve().relative_to(root.resolve())) for p in paths]
 
 
-def check_actionlint(root: Path, workflows: list[Path]) -> Result:
-    if not workflows:
-        return Result("actionlint", True, skipped="no workflows")
-    cmd = [find_tool("actionlint"), "-no-color"]
-    config = root / ".github" / "actionlint.yaml"
-    if config.exists():
-        cmd += ["-config-file", str(config)]
+def check_tool(root: Path, name: str, files: list[Path], cmd: list[str], config: str = "", flag: str = "") -> Result:
+    """Run a linter (cmd[0], found by find_tool) on files, with its config file when the tree has one."""
+    if not files:
+        return Result(name, True, skipped="nothing to check")
+    cmd = [find_tool(cmd[0]), *cmd[1:]]
+    if config and (root / config).exists():
+        cmd += [flag, str(root / config)]
+    return _run(name, cmd + _rel(files, root), root)
+
+
+def _shellcheck() -> list[str]:
     try:
-        cmd += ["-shellcheck", find_tool("shellcheck")]
+        return ["-shellcheck", find_tool("shellcheck")]
     except ToolMissing:
-        cmd += ["-shellcheck="]  # explicit: without shellcheck the run: scripts are not linted
-    return _run("actionlint", cmd + _rel(workflows, root), root)
-
-
-def check_schema(root: Path, workflows: list[Path]) -> Result:
-    if not workflows:
-        return Result("schema", True, skipped="no workflows")
-    cmd = [find_tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows"]
-    return _run("schema", cmd + _rel(workflows, root), root)
-
-
-def check_zizmor(root: Path, workflows: list[Path]) -> Result:
-    if not workflows:
-        return Result("zizmor", True, skipped="no workflows")
-    cmd = [find_tool("zizmor"), "--offline", "--no-progress", "--color=never"]
-    config = root / ".github" / "zizmor.yml"
-    if config.exists():
-        cmd += ["--config", str(config)]
-    return _run("zizmor", cmd + _rel(workflows, root), root)
-
-
-def check_hadolint(root: Path, files: list[Path]) -> Result:
-    if not files:
-        return Result("hadolint", True, skipped="no docker/**/Dockerfile* yet")
-    cmd = [find_tool("hadolint"), "--no-color"]
-    config = root / ".hadolint.yaml"
-    if config.exists():
-        cmd += ["--config", str(config)]
-    return _run("hadolint", cmd + _rel(files, root), root)
-
-
-def check_yamllint(root: Path, files: list[Path]) -> Result:
-    if not files:
-        return Result("yamllint", True, skipped="no YAML files")
-    cmd = [find_tool("yamllint"), "--strict", "-f", "parsable"]
-    config = root / ".yamllint"
-    if config.exists():
-        cmd += ["-c", str(config)]
-    return _run("yamllint", cmd + _rel(files, root), root)
-
-
-def check_ruff(root: Path) -> Result:
-    return _run("ruff", [find_tool("ruff"), "check", "--no-cache", "--output-format", "concise", "."], root)
+        return ["-shellcheck="]  # explicit: without shellcheck the run: scripts are not linted
 
 
 # ---------------------------------------------------------------------------------------------- policy
@@ -248,10 +213,48 @@ def check_policy_file(path: Path) -> list[str]:
     return problems
 
 
+def load_action_facts(root: Path) -> dict[str, dict[str, Any]]:
+    """.github/actions.toml: 'owner/repo@sha' -> its facts (version, runs_using, runs_inner)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    path = root / ".github" / "actions.toml"
+    if not path.exists():
+        return {}
+    return {f"{a['repo']}@{a['sha']}": a for a in tomllib.loads(path.read_text(encoding="utf-8")).get("action", [])}
+
+
+def check_action_pins(path: Path, facts: dict[str, dict[str, Any]]) -> list[str]:
+    """Every remote action of a workflow is pinned at a commit recorded in .github/actions.toml, its version
+    comment is that commit's version, and it (and any action it runs) declares a runtime GitHub still runs."""
+    problems = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        m = USES_LINE.match(line)
+        if not m or m.group(1).startswith(("./", "docker:")):
+            continue
+        repo = "/".join(m.group(1).split("/")[:2])
+        where, pin = f"{path.name}:{n}", f"{repo}@{m.group(2)}"
+        fact = facts.get(pin)
+        if fact is None:
+            problems.append(f"{where}: {pin} is not recorded in .github/actions.toml (version, runs.using)")
+            continue
+        if m.group(3) != fact["version"]:
+            problems.append(f"{where}: {pin} is {fact['version']}, but its comment says {m.group(3)!r}")
+        for used in [pin, *fact.get("runs_inner", [])]:
+            runtime = (facts.get(used) or {}).get("runs_using")
+            if runtime is None:
+                problems.append(f"{where}: {pin} runs {used}, which .github/actions.toml does not record")
+            elif runtime in REMOVED_RUNTIMES:
+                problems.append(f"{where}: {used} runs on {runtime}, which GitHub's runners no longer provide")
+    return problems
+
+
 def check_policy(root: Path, workflows: list[Path]) -> Result:
     if not workflows:
         return Result("policy", True, skipped="no workflows")
-    problems = [p for wf in workflows for p in check_policy_file(wf)]
+    facts = load_action_facts(root)
+    problems = [p for wf in workflows for p in (*check_policy_file(wf), *check_action_pins(wf, facts))]
     return Result("policy", not problems, "\n".join(problems))
 
 
@@ -261,18 +264,21 @@ def check_policy(root: Path, workflows: list[Path]) -> Result:
 def run_checks(root: Path, only: Iterable[str] | None = None) -> list[Result]:
     root = root.resolve()
     workflows = workflow_files(root)
-    yaml_files = [
-        *workflows,
-        *[p for p in (root / ".github" / "actionlint.yaml", root / ".github" / "zizmor.yml") if p.exists()],
-        *[p for p in (root / ".hadolint.yaml",) if p.exists()],
-    ]
+    configs = [".github/actionlint.yaml", ".github/zizmor.yml", ".hadolint.yaml"]
+    yaml_files = [*workflows, *[root / c for c in configs if (root / c).exists()]]
     checks: dict[str, Callable[[], Result]] = {
-        "actionlint": lambda: check_actionlint(root, workflows),
-        "schema": lambda: check_schema(root, workflows),
-        "zizmor": lambda: check_zizmor(root, workflows),
-        "hadolint": lambda: check_hadolint(root, dockerfiles(root)),
-        "yamllint": lambda: check_yamllint(root, yaml_files),
-        "ruff": lambda: check_ruff(root),
+        "actionlint": lambda: check_tool(root, "actionlint", workflows, ["actionlint", "-no-color", *_shellcheck()],
+                                         ".github/actionlint.yaml", "-config-file"),
+        "schema": lambda: check_tool(root, "schema", workflows,
+                                     ["check-jsonschema", "--builtin-schema", "vendor.github-workflows"]),
+        "zizmor": lambda: check_tool(root, "zizmor", workflows, ["zizmor", "--offline", "--no-progress",
+                                                                 "--color=never"], ".github/zizmor.yml", "--config"),
+        "hadolint": lambda: check_tool(root, "hadolint", dockerfiles(root), ["hadolint", "--no-color"],
+                                       ".hadolint.yaml", "--config"),
+        "yamllint": lambda: check_tool(root, "yamllint", yaml_files, ["yamllint", "--strict", "-f", "parsable"],
+                                       ".yamllint", "-c"),
+        "ruff": lambda: _run("ruff", [find_tool("ruff"), "check", "--no-cache", "--output-format", "concise", "."],
+                             root),
         "policy": lambda: check_policy(root, workflows),
     }
     wanted = list(only) if only else list(checks)
@@ -288,24 +294,15 @@ def run_checks(root: Path, only: Iterable[str] | None = None) -> list[Result]:
     return results
 
 
-@dataclass
-class Report:
-    results: list[Result] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.results)
-
-    def render(self) -> str:
-        lines = []
-        for r in self.results:
-            status = "SKIP" if r.skipped else ("PASS" if r.ok else "FAIL")
-            lines.append(f"{status}  {r.name}" + (f"  ({r.skipped})" if r.skipped else ""))
-            if not r.ok and r.output:
-                lines.extend("      " + line for line in r.output.splitlines())
-        failed = [r.name for r in self.results if not r.ok]
-        lines.append(f"lint: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
-        return "\n".join(lines)
+def render(results: list[Result]) -> str:
+    lines = []
+    for r in results:
+        lines.append(f"{'SKIP' if r.skipped else 'PASS' if r.ok else 'FAIL'}  {r.name}"
+                     + (f"  ({r.skipped})" if r.skipped else ""))
+        if not r.ok and r.output:
+            lines.extend("      " + line for line in r.output.splitlines())
+    failed = [r.name for r in results if not r.ok]
+    return "\n".join([*lines, f"lint: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,10 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--only", default="", help="comma-separated subset of checks")
     args = ap.parse_args(argv)
-    only = [o for o in args.only.split(",") if o] or None
-    report = Report(run_checks(args.root, only))
-    print(report.render())
-    return 0 if report.ok else 1
+    results = run_checks(args.root, [o for o in args.only.split(",") if o] or None)
+    print(render(results))
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ the layer files, the platform, the lock format). `--check` recomputes that diges
 also checks the body: torch and triton are the matrix's, every requirement has a hash, nothing
 machine-local leaked in. A full re-resolve is simply relocking (needs PyPI).
 
-Torch builds that PyPI does not carry (the CPU cell's 2.13.0+cpu) are found through find-links given in
-NSA_LOCK_FIND_LINKS (else pip's PIP_FIND_LINKS), or else the cell's `torch_index` (PyTorch's own index).
-The wheel's sha256 must equal the matrix's `torch_sha256`. Needs Python >= 3.11, uv and packaging.
+Torch builds that PyPI does not carry (the CPU cell's 2.13.0+cpu) come from the cell's index (PyTorch's,
+ci.matrix.Matrix.index_url), or from a find-links folder given in NSA_LOCK_FIND_LINKS (else pip's
+PIP_FIND_LINKS) where that index is out of reach. The wheel's sha256 must equal the matrix's
+`torch_sha256`. Needs uv and packaging (requirements/bootstrap.txt).
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
-from ci.matrix import DEFAULT_PATH, Cell, Matrix, MatrixError, flash_wheel_url, load
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+from ci.matrix import DEFAULT_PATH, Cell, Matrix, MatrixError, load
 
 LOCK_FORMAT = 1
 UNIVERSAL_PYTHON = "3.10"  # bootstrap and tools locks resolve for every Python from this one up
+# Every lock: hashes, no index or find-links lines (they stay on the machine that made it), our own header.
+UV_FLAGS = ["--generate-hashes", "--no-emit-index-url", "--no-emit-find-links", "--no-header",
+            "--annotation-style=split"]
 # Text that must never reach a committed lock: machine-local paths, file URLs, index/find-links lines.
 FORBIDDEN = [
     (re.compile(r"file:"), "a file: URL"),
@@ -47,7 +55,6 @@ FORBIDDEN = [
         "an index/find-links line",
     ),
 ]
-REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*(==|@)\s*([^\s;\\]+)")
 
 
 class LockError(RuntimeError):
@@ -55,41 +62,40 @@ class LockError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class LockedReq:
+class Pinned:
+    """One requirement line of a hash-pinned lock (pip-tools format)."""
+
     name: str  # canonical (PEP 503)
-    version: str  # "" for URL requirements
+    version: str  # for `name @ URL` wheels: the version in the wheel's file name
     url: str
+    marker: str
     hashes: tuple[str, ...]
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def iter_lock(text: str):
-    """Requirements of a pip-tools style lock: `name==version \\` then `--hash=sha256:...` lines.
-
-    A universal lock may list a name twice (one line per environment marker): each line is yielded.
-    """
-    # Join continuation lines, then drop comments.
-    logical = re.sub(r"\\\n", " ", text)
-    for raw in logical.splitlines():
+    """Every requirement of a lock: `name==version [; marker] \\` then `--hash=sha256:...` lines, or
+    `name @ URL`. A universal lock lists a name once per environment marker: each line is yielded."""
+    for raw in re.sub(r"\\\n", " ", text).splitlines():
         line = raw.split(" #", 1)[0].strip()
-        if not line or line.startswith("#"):
+        if not line or line.startswith(("#", "-")):  # comments; pip options are forbidden_content()'s
             continue
-        if line.startswith(
-            "-"
-        ):  # pip options (index lines): reported by forbidden_content(), not requirements
-            continue
-        m = REQ_LINE.match(line)
-        if not m:
-            raise LockError(f"unparseable lock line: {raw.strip()[:100]!r}")
-        name, op, val = canonical(m.group(1)), m.group(2), m.group(3)
-        hashes = tuple(re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
-        yield LockedReq(name, val if op == "==" else "", val if op == "@" else "", hashes)
+        spec, *options = re.split(r"\s+(?=--)", line)
+        try:
+            req = Requirement(spec)
+            exact = [s.version for s in req.specifier if s.operator == "=="]
+            if req.url:  # InvalidWheelFilename (a ValueError) for anything but a wheel
+                version = str(parse_wheel_filename(unquote(req.url.rsplit("/", 1)[-1]))[1])
+            elif len(exact) == 1 and len(req.specifier) == 1:
+                version = exact[0]
+            else:
+                raise ValueError("not pinned to exactly one version")
+        except (InvalidRequirement, ValueError) as e:
+            raise LockError(f"unparseable lock line: {raw.strip()[:100]!r} ({e})") from None
+        hashes = tuple(o.split(":", 1)[1] for o in options if o.startswith("--hash=sha256:"))
+        yield Pinned(canonicalize_name(req.name), version, req.url or "", str(req.marker or ""), hashes)
 
 
-def parse_lock(text: str) -> dict[str, LockedReq]:
+def parse_lock(text: str) -> dict[str, Pinned]:
     """name -> requirement (for a universal lock, the last line of a name wins)."""
     return {r.name: r for r in iter_lock(text)}
 
@@ -130,12 +136,16 @@ def _normalized(path: Path) -> str:
     return "\n".join(line.rstrip() for line in path.read_text().strip().splitlines())
 
 
+# The cell fields a lock is resolved from; the others (images, GPU archs, index, description) leave it valid.
+RESOLUTION_FIELDS = ("id", "python", "cuda", "cpu_only", "torch", "torch_sha256", "triton", "flash_attn", "pins")
+
+
 def inputs_digest(matrix: Matrix, cell: Cell) -> str:
     req_dir = matrix.path.parent
     doc = {
         "format": LOCK_FORMAT,
         "platform": matrix.platform,
-        "cell": cell.raw,
+        "cell": {k: v for k, v in cell.raw.items() if k in RESOLUTION_FIELDS},
         "requirements": cell_requirements(cell),
         "layers": {name: _normalized(req_dir / f"{name}.in") for name in layers_for(matrix, cell)},
     }
@@ -157,6 +167,45 @@ def universal_targets(matrix: Matrix) -> dict[str, tuple[Path, Path]]:
     req = matrix.path.parent
     table = matrix.defaults.get("tool_locks", {"bootstrap": "bootstrap.txt"})
     return {name: (req / f"{name}.in", req / rel) for name, rel in table.items()}
+
+
+# --- downloading -----------------------------------------------------------------------------------
+
+def platform_tags(platform: str) -> list[str]:
+    """The wheel platform tags a target like x86_64-manylinux_2_28 installs (pip's --platform takes exact
+    tags only): manylinux_2_28 down to manylinux_2_5, their legacy aliases, and plain linux."""
+    arch, _, glibc = platform.partition("-manylinux_2_")
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    tags = []
+    for minor in range(int(glibc), 4, -1):
+        tags.append(f"manylinux_2_{minor}_{arch}")
+        if minor in legacy:
+            tags.append(f"{legacy[minor]}_{arch}")
+    return [*tags, f"linux_{arch}"]
+
+
+def download_wheels(matrix: Matrix, cell: Cell, dest: Path, index_args: list[str] = (),
+                    only: set[str] | None = None) -> list[Path]:
+    """The wheels of the cell's lock (all, or the packages named in `only`), hash-checked, for the cell's
+    Python, from pip's configured indexes and `index_args`, into dest."""
+    platforms = [a for p in platform_tags(matrix.platform) for a in ("--platform", p)]
+    with tempfile.TemporaryDirectory(prefix="nsa-wheels-") as tmp:
+        reqs = lock_path(matrix, cell.id)
+        if only is not None:
+            pins = parse_lock(reqs.read_text())
+            unknown = {canonicalize_name(n) for n in only} - set(pins)
+            if unknown:
+                raise LockError(f"{cell.id}: not in the lock: {sorted(unknown)}")
+            reqs = Path(tmp) / "only.txt"
+            reqs.write_text("".join(f"{p.name}=={p.version} " + " ".join(f"--hash=sha256:{h}" for h in p.hashes)
+                                    + "\n" for p in pins.values() if p.name in {canonicalize_name(n) for n in only}))
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--progress-bar", "off", "--require-hashes",
+             "--only-binary=:all:", "--implementation", "cp", "--python-version", cell.python.replace(".", ""),
+             *platforms, *index_args, "-d", str(dest), "-r", str(reqs)],
+            check=True,
+        )
+    return sorted(dest.glob("*.whl"))
 
 
 # --- generation --------------------------------------------------------------------------------------
@@ -183,18 +232,23 @@ def _find_links() -> list[str]:
     return value.split()
 
 
-def _run_uv(uv: str, args: list[str], cwd: Path) -> str:
+def _run_uv(uv: str, args: list[str], cwd: Path, previous: Path) -> str:
+    """`uv pip compile`, starting from the previous lock's pins (uv keeps the versions of an existing
+    output file that still satisfy the inputs), so that relocking changes only what its inputs changed."""
     env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
-    proc = subprocess.run(
-        [uv, "pip", "compile", "--no-config", "--quiet", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise LockError(f"uv pip compile failed:\n{proc.stderr.strip()}")
-    return proc.stdout
+    with tempfile.TemporaryDirectory(prefix="nsa-uv-") as tmp:
+        out = Path(tmp) / "lock.txt"
+        out.write_text(previous.read_text() if previous.exists() else "")
+        proc = subprocess.run(
+            [uv, "pip", "compile", "--no-config", "--quiet", *args, "--output-file", str(out)],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise LockError(f"uv pip compile failed:\n{proc.stderr.strip()}")
+        return out.read_text()
 
 
 def _scrub(text: str, replacements: dict[str, str]) -> str:
@@ -215,33 +269,15 @@ def compile_cell(matrix: Matrix, cell: Cell, uv: str | None = None) -> Path:
     req_dir = matrix.path.parent
     root = req_dir.parent
     layers = layers_for(matrix, cell)
-    extra: list[str] = []
-    if "+" in cell.torch:  # not on PyPI: a local find-links folder, else PyTorch's index
-        links = _find_links()
-        if links:
-            extra += [a for link in links for a in ("--find-links", link)]
-        elif cell.torch_index:
-            extra += ["--extra-index-url", cell.torch_index]
-        else:
-            raise LockError(f"cell {cell.id}: torch {cell.torch} is not on PyPI; set NSA_LOCK_FIND_LINKS")
+    # The cell's own index; a find-links folder of wheels stands in for it where it is out of reach.
+    links = _find_links() if cell.torch_index != "pypi" else []
+    extra = [a for link in links for a in ("--find-links", link)] or matrix.pip_index_args(cell)
     with tempfile.TemporaryDirectory(prefix="nsa-lock-") as tmp:
         cell_in = Path(tmp) / "cell.in"
         cell_in.write_text("\n".join(cell_requirements(cell)) + "\n")
-        args = [
-            *[str((req_dir / f"{name}.in").relative_to(root)) for name in layers],
-            str(cell_in),
-            "--generate-hashes",
-            "--python-platform",
-            matrix.platform,
-            "--python-version",
-            cell.python,
-            "--no-emit-index-url",
-            "--no-emit-find-links",
-            "--no-header",
-            "--annotation-style=split",
-            *extra,
-        ]
-        body = _run_uv(uv, args, cwd=root)
+        inputs = [*[str((req_dir / f"{name}.in").relative_to(root)) for name in layers], str(cell_in)]
+        args = [*inputs, *UV_FLAGS, "--python-platform", matrix.platform, "--python-version", cell.python, *extra]
+        body = _run_uv(uv, args, cwd=root, previous=lock_path(matrix, cell.id))
         body = _scrub(body, {str(cell_in): f"{matrix.path.relative_to(root)} (cell {cell.id})", tmp: "<tmp>"})
     for link in _find_links():
         body = _scrub(body, {link: "<find-links>"})
@@ -251,16 +287,17 @@ def compile_cell(matrix: Matrix, cell: Cell, uv: str | None = None) -> Path:
     fa = cell.flash_attn
     flash_lines = ""
     if fa.source == "wheel" and fa.sha256:
-        url = flash_wheel_url(matrix.upstream, fa.version, fa.wheel)
+        url = matrix.flash_wheel_url(cell)
         flash_lines = (
             f"flash-attn @ {url} \\\n    --hash=sha256:{fa.sha256}\n    # via requirements/matrix.toml\n"
         )
-    header = _cell_header(matrix, cell, layers, uv_version(uv))
-    text = header + body + flash_lines
+    return _write(lock_path(matrix, cell.id), _cell_header(matrix, cell, layers, uv_version(uv)) + body + flash_lines)
+
+
+def _write(out: Path, text: str) -> Path:
     problems = forbidden_content(text)
     if problems:
-        raise LockError(f"cell {cell.id}: refusing to write the lock: " + "; ".join(problems))
-    out = lock_path(matrix, cell.id)
+        raise LockError(f"{out.name}: refusing to write the lock: " + "; ".join(problems))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     return out
@@ -280,9 +317,11 @@ def _cell_header(matrix: Matrix, cell: Cell, layers: list[str], uv_ver: str) -> 
             "build installs it (record its sha256 in matrix.toml and relock)"
         )
     cuda = "none (CPU)" if cell.cpu_only else cell.cuda
+    index = matrix.index_url(cell, environ={})
     return (
         f"# Lock of cell {cell.id}: generated by `nox -s lock -- {cell.id}`. Do not edit.\n"
-        f"# Install exactly: pip install --require-hashes --no-deps -r {lock_path(matrix, cell.id).name}\n"
+        f"# Install exactly: pip install --require-hashes --no-deps{' --extra-index-url ' + index if index else ''}"
+        f" -r {lock_path(matrix, cell.id).name}\n"
         f"# lock-format: {LOCK_FORMAT}\n"
         f"# cell: {cell.id}\n"
         f"# python: {cell.python}\n"
@@ -302,18 +341,8 @@ def _cell_header(matrix: Matrix, cell: Cell, layers: list[str], uv_ver: str) -> 
 def compile_universal(name: str, in_file: Path, out: Path, uv: str | None = None) -> Path:
     uv = uv or uv_bin()
     root = in_file.parent.parent
-    args = [
-        str(in_file.relative_to(root)),
-        "--universal",
-        "--python-version",
-        UNIVERSAL_PYTHON,
-        "--generate-hashes",
-        "--no-emit-index-url",
-        "--no-emit-find-links",
-        "--no-header",
-        "--annotation-style=split",
-    ]
-    body = _run_uv(uv, args, cwd=root)
+    args = [str(in_file.relative_to(root)), *UV_FLAGS, "--universal", "--python-version", UNIVERSAL_PYTHON]
+    body = _run_uv(uv, args, cwd=root, previous=out)
     header = (
         f"# {name} lock: generated by `nox -s lock -- {name}`. Do not edit.\n"
         f"# Install: pip install --require-hashes -r {out.relative_to(root)}\n"
@@ -324,25 +353,19 @@ def compile_universal(name: str, in_file: Path, out: Path, uv: str | None = None
         f"# inputs-sha256: {universal_digest(in_file)}\n"
         "#\n"
     )
-    text = header + body
-    problems = forbidden_content(text)
-    if problems:
-        raise LockError(f"{name}: refusing to write the lock: " + "; ".join(problems))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return out
+    return _write(out, header + body)
 
 
 # --- checking ----------------------------------------------------------------------------------------
 
 
-def _check_pins(cell: Cell, reqs: dict[str, LockedReq]) -> None:
+def _check_pins(cell: Cell, reqs: dict[str, Pinned]) -> None:
     problems = check_body(cell, reqs)
     if problems:
         raise LockError(f"cell {cell.id}: " + "; ".join(problems))
 
 
-def check_body(cell: Cell, reqs: dict[str, LockedReq]) -> list[str]:
+def check_body(cell: Cell, reqs: dict[str, Pinned]) -> list[str]:
     p = []
     torch = reqs.get("torch")
     if torch is None or torch.version != cell.torch:
@@ -355,7 +378,7 @@ def check_body(cell: Cell, reqs: dict[str, LockedReq]) -> list[str]:
         p.append(f"triton is {triton.version if triton else 'missing'}, matrix says {cell.triton}")
     for pin in cell.pins:
         name, _, ver = pin.partition("==")
-        got = reqs.get(canonical(name))
+        got = reqs.get(canonicalize_name(name))
         if got is None or got.version != ver:
             p.append(f"{name} is {got.version if got else 'missing'}, matrix pins {ver}")
     unhashed = sorted(r.name for r in reqs.values() if not r.hashes)

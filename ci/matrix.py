@@ -1,32 +1,41 @@
-"""Load and validate requirements/matrix.toml, the configuration matrix.
+"""Load and validate requirements/matrix.toml, the configuration matrix: the one loader every tool uses.
 
     python -m ci.matrix validate            # exit 1 and list every problem if a cell cannot exist
     python -m ci.matrix list                # one line per cell
-    python -m ci.matrix show CELL [--json]  # one cell, with its flash-attn wheel URL
-    python -m ci.matrix github [--gpu|--cpu]  # JSON {"include": [...]} for a GitHub Actions matrix
+    python -m ci.matrix show CELL [--json]  # one cell, with its package index and flash-attn wheel URL
 
 Validation encodes what upstream publishes ([upstream.*] tables of the file) and rejects: a triton other
-than the one torch pins, a Python or CUDA torch publishes no wheel for, a flash-attn wheel upstream does
-not publish (or a wheel name that does not follow its naming scheme), GPU architectures the CUDA toolkit
-cannot build, and ids that do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
-Needs Python >= 3.11 (tomllib) and `packaging` (installed by requirements/bootstrap.txt).
+than the one torch pins, a Python or CUDA torch publishes no wheel for, a torch build the cell's package
+index does not carry, a flash-attn wheel upstream does not publish (or a wheel name that does not follow
+its naming scheme), GPU architectures the CUDA toolkit cannot build, a build stage that cannot compile
+flash-attn or whose OS differs from the run stage's, and ids that do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
+To add a field: add it to Cell (with a default), read it in _parse_cell, check it in validate_cell.
+Needs `packaging` (requirements/bootstrap.txt) and tomllib (tomli on Python 3.10).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from packaging.version import InvalidVersion, Version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: nox brings tomli (requirements/bootstrap.txt)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATH = ROOT / "requirements" / "matrix.toml"
 FLASH_SOURCES = ("wheel", "source", "none")
+TORCH_INDEXES = ("pypi", "pytorch")
+PYTORCH_INDEX_ENV = "NSA_PYTORCH_INDEX"  # a mirror of PyTorch's wheel index, same paths
 
 
 class MatrixError(ValueError):
@@ -58,10 +67,10 @@ class Cell:
     gpu_archs: tuple[str, ...]
     base_image: str
     runtime_image: str
+    torch_index: str = "pypi"  # "pypi" | "pytorch"
     description: str = ""
     pins: tuple[str, ...] = ()
     torch_sha256: str = ""
-    torch_index: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -108,6 +117,37 @@ class Matrix:
     def layers(self) -> list[str]:
         return list(self.defaults.get("layers", ["runtime", "test", "bench"]))
 
+    @property
+    def quickstart(self) -> dict[str, str]:
+        """Python "3.X" -> the cell the Quick start installs for it."""
+        return dict(self.defaults.get("quickstart", {}))
+
+    def index_url(self, cell: Cell, environ=os.environ) -> str:
+        """The extra package index the cell's torch needs ("" for PyPI); NSA_PYTORCH_INDEX is a mirror."""
+        if cell.torch_index != "pytorch":
+            return ""
+        base = environ.get(PYTORCH_INDEX_ENV) or self.defaults.get("pytorch_index", "")
+        return f"{base.rstrip('/')}/{cell.variant}"
+
+    def pip_index_args(self, cell: Cell) -> list[str]:
+        """What every `pip install -r <cell lock>` adds so that pip can find the cell's torch."""
+        url = self.index_url(cell)
+        return ["--extra-index-url", url] if url else []
+
+    def min_driver(self, cuda: str) -> tuple[str, str]:
+        """(driver of CUDA `cuda`'s GA release, floor through minor-version compatibility)."""
+        drivers = self.upstream.get("cuda_driver", {})
+        major = cuda.split(".")[0]
+        floor = self.upstream.get("driver", {}).get(major)
+        same_major = sorted((v for v in drivers if v.split(".")[0] == major), key=Version)
+        if floor is None or not same_major:
+            raise KeyError(f"CUDA {cuda}: no driver facts in [upstream.cuda_driver] (majors: {sorted(drivers)})")
+        return drivers.get(cuda, drivers[same_major[-1]]), floor
+
+    def flash_wheel_url(self, cell: Cell) -> str:
+        fa = cell.flash_attn
+        return flash_wheel_url(self.upstream, fa.version, fa.wheel) if fa.source == "wheel" else ""
+
 
 # --- naming ------------------------------------------------------------------------------------------
 
@@ -153,6 +193,12 @@ def flash_wheel_published(
     return True, ""
 
 
+def image_os(image: str) -> str | None:
+    """'ubuntu24.04' for ubuntu:24.04 and nvidia/cuda:*-ubuntu24.04; None where the tag does not say."""
+    m = re.fullmatch(r"ubuntu:(\d+\.\d+)", image) or re.search(r"-ubuntu(\d+\.\d+)$", image)
+    return f"ubuntu{m.group(1)}" if m else None
+
+
 # --- parsing -----------------------------------------------------------------------------------------
 
 
@@ -179,19 +225,14 @@ def _parse_cell(d: dict[str, Any], index: int, problems: list[str]) -> Cell:
         cpu_only=_req(d, "cpu_only", where, problems, bool),
         torch=_req(d, "torch", where, problems),
         triton=_req(d, "triton", where, problems),
-        flash_attn=FlashAttn(
-            source=str(fa.get("source", "")),
-            version=str(fa.get("version", "")),
-            wheel=str(fa.get("wheel", "")),
-            sha256=str(fa.get("sha256", "")),
-        ),
+        flash_attn=FlashAttn(**{k: str(fa.get(k, "")) for k in ("source", "version", "wheel", "sha256")}),
         gpu_archs=tuple(_req(d, "gpu_archs", where, problems, list)),
         base_image=_req(d, "base_image", where, problems),
         runtime_image=_req(d, "runtime_image", where, problems),
+        torch_index=_req(d, "torch_index", where, problems),
         description=str(d.get("description", "")),
         pins=tuple(d.get("pins", [])),
         torch_sha256=str(d.get("torch_sha256", "")),
-        torch_index=str(d.get("torch_index", "")),
         raw=d,
     )
 
@@ -224,20 +265,6 @@ def load(path: Path | str = DEFAULT_PATH) -> Matrix:
     except tomllib.TOMLDecodeError as e:
         raise MatrixError(path, [f"not valid TOML: {e}"]) from None
     return parse(data, path)
-
-
-def load_cells(path: Path | str = DEFAULT_PATH) -> list[dict[str, Any]]:
-    """The validated cells as plain dicts (what ci/gh_matrix.py and other readers consume)."""
-    m = load(path)
-    out = []
-    for c in m.cells:
-        d = c.to_json()
-        d["gpu_archs"] = list(c.gpu_archs)
-        d["pins"] = list(c.pins)
-        if c.flash_attn.source == "wheel":
-            d["flash_attn"]["url"] = flash_wheel_url(m.upstream, c.flash_attn.version, c.flash_attn.wheel)
-        out.append(d)
-    return out
 
 
 # --- validation --------------------------------------------------------------------------------------
@@ -280,8 +307,21 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
             f"{w}: triton must be {pinned!r}, the version torch {cell.torch_public} pins, not {cell.triton!r}"
         )
 
-    # CPU vs CUDA consistency.
+    # Which index carries this torch: PyPI has one CUDA build per release and no local labels.
     local = cell.torch.split("+", 1)[1] if "+" in cell.torch else ""
+    if cell.torch_index not in TORCH_INDEXES:
+        p.append(f"{w}: torch_index must be one of {TORCH_INDEXES}, not {cell.torch_index!r}")
+    elif local and cell.torch_index != "pytorch":
+        p.append(f"{w}: torch {cell.torch} is not on PyPI: set torch_index = 'pytorch' (PyTorch's {local} index)")
+    elif not local and cell.torch_index == "pytorch":
+        p.append(f"{w}: PyTorch's index names its builds {cell.torch}+{cell.variant}: pin that, or use 'pypi'")
+    elif not local and not cell.cpu_only and cell.cuda != t["pypi_cuda"]:
+        p.append(
+            f"{w}: PyPI's torch {cell.torch_public} is the CUDA {t['pypi_cuda']} build; CUDA {cell.cuda} "
+            f"needs torch = '{cell.torch_public}+{cell.variant}' from torch_index = 'pytorch'"
+        )
+
+    # CPU vs CUDA consistency.
     if cell.cpu_only:
         if cell.cuda != "none":
             p.append(f"{w}: cpu_only cells must have cuda = 'none', not {cell.cuda!r}")
@@ -298,11 +338,6 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
             p.append(f"{w}: a GPU cell needs a CUDA version (or set cpu_only = true)")
         elif cell.cuda not in t["cuda"]:
             p.append(f"{w}: torch {cell.torch_public} is not built for CUDA {cell.cuda} (only {t['cuda']})")
-        elif cell.cuda != t["pypi_cuda"] and not cell.torch_index:
-            p.append(
-                f"{w}: PyPI's torch {cell.torch_public} is the CUDA {t['pypi_cuda']} build; CUDA {cell.cuda} "
-                f"needs torch_index (PyTorch's cu{cell.cuda.replace('.', '')} index)"
-            )
         if local and local != cell.variant:
             p.append(f"{w}: torch local label +{local} does not match CUDA {cell.cuda} ({cell.variant})")
         supported = upstream.get("cuda", {}).get(cell.cuda)
@@ -314,11 +349,20 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
                 p.append(f"{w}: CUDA {cell.cuda} cannot build for sm {bad} (supports {supported})")
         if not cell.gpu_archs:
             p.append(f"{w}: a GPU cell must list gpu_archs")
+        if cell.cuda.split(".")[0] not in upstream.get("driver", {}):
+            p.append(f"{w}: CUDA major {cell.cuda.split('.')[0]} has no driver floor in [upstream.driver]")
 
     if local and not _is_sha256(cell.torch_sha256):
         p.append(f"{w}: torch {cell.torch} is not on PyPI: record its wheel's sha256 as torch_sha256")
     if cell.torch_sha256 and not _is_sha256(cell.torch_sha256):
         p.append(f"{w}: torch_sha256 must be 64 lowercase hex digits")
+
+    # The run stage receives the build stage's venv, whose interpreter must be at the same path.
+    build_os, run_os = image_os(cell.base_image), image_os(cell.runtime_image)
+    if build_os and run_os and build_os != run_os:
+        p.append(f"{w}: base_image is {build_os} but runtime_image is {run_os}: the venv would not run there")
+    if cell.flash_attn.source == "source" and "-devel" not in cell.base_image:
+        p.append(f"{w}: flash-attn is compiled in the build stage: base_image must be a CUDA -devel image (nvcc)")
 
     p.extend(_validate_flash(cell, upstream, t))
     return p
@@ -368,6 +412,10 @@ def validate(matrix: Matrix) -> list[str]:
             problems.append(f"cell {c.id}: duplicate id")
         seen.add(c.id)
         problems.extend(validate_cell(c, matrix.upstream))
+    for py, cell_id in matrix.quickstart.items():
+        cell = next((c for c in matrix.cells if c.id == cell_id), None)
+        if cell is None or cell.python != py:
+            problems.append(f"defaults.quickstart: Python {py} needs a cell for Python {py}, not {cell_id!r}")
     for layer in matrix.layers:
         if not (matrix.path.parent / f"{layer}.in").exists() and matrix.path.name == "matrix.toml":
             problems.append(
@@ -379,41 +427,8 @@ def validate(matrix: Matrix) -> list[str]:
 # --- CLI ---------------------------------------------------------------------------------------------
 
 
-def _cmd_list(m: Matrix) -> None:
-    for c in m.cells:
-        fa = c.flash_attn
-        fa_s = "no flash-attn" if fa.source == "none" else f"flash-attn {fa.version} ({fa.source})"
-        cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
-        print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}")
-
-
-def _cmd_show(m: Matrix, cell_id: str, as_json: bool) -> None:
-    c = m.get(cell_id)
-    d = c.to_json()
-    if c.flash_attn.source == "wheel":
-        d["flash_attn"]["url"] = flash_wheel_url(m.upstream, c.flash_attn.version, c.flash_attn.wheel)
-    if as_json:
-        print(json.dumps(d, indent=2))
-    else:
-        for k, v in d.items():
-            print(f"{k:14} {v}")
-
-
-def _cmd_github(m: Matrix, gpu: bool | None) -> None:
-    cells = [c for c in m.cells if gpu is None or (not c.cpu_only) == gpu]
-    include = [
-        {
-            "cell": c.id,
-            "python": c.python,
-            "cuda": c.cuda,
-            "torch": c.torch,
-            "cpu_only": c.cpu_only,
-            "base_image": c.base_image,
-            "runtime_image": c.runtime_image,
-        }
-        for c in cells
-    ]
-    print(json.dumps({"include": include}))
+def describe(m: Matrix, c: Cell) -> dict[str, Any]:
+    return {**c.to_json(), "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,28 +440,28 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("show", help="one cell")
     sh.add_argument("cell")
     sh.add_argument("--json", action="store_true")
-    gh = sub.add_parser("github", help="GitHub Actions matrix JSON")
-    g = gh.add_mutually_exclusive_group()
-    g.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None)
-    g.add_argument("--cpu", dest="gpu", action="store_const", const=False)
     args = ap.parse_args(argv)
     try:
         m = load(args.matrix)
+        if args.cmd == "validate":
+            print(f"{args.matrix.name}: {len(m.cells)} cells valid")
+        elif args.cmd == "list":
+            quick = {cell: py for py, cell in m.quickstart.items()}
+            for c in m.cells:
+                fa = c.flash_attn
+                fa_s = "no flash-attn" if fa.source == "none" else f"flash-attn {fa.version} ({fa.source})"
+                cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
+                qs = f"  Quick start for {quick[c.id]}" if c.id in quick else ""
+                print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}{qs}")
+        else:
+            d = describe(m, m.get(args.cell))
+            print(json.dumps(d, indent=2) if args.json else "\n".join(f"{k:14} {v}" for k, v in d.items()))
     except MatrixError as e:
         print(e, file=sys.stderr)
         return 1
-    if args.cmd == "validate":
-        print(f"{args.matrix.name}: {len(m.cells)} cells valid")
-    elif args.cmd == "list":
-        _cmd_list(m)
-    elif args.cmd == "show":
-        try:
-            _cmd_show(m, args.cell, args.json)
-        except KeyError as e:
-            print(f"error: cell: {e.args[0]}", file=sys.stderr)
-            return 2
-    elif args.cmd == "github":
-        _cmd_github(m, args.gpu)
+    except KeyError as e:
+        print(f"error: cell: {e.args[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

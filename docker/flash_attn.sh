@@ -7,7 +7,9 @@
 #   source  compiled from the PyPI source package (pinned by FLASH_ATTN_SDIST_SHA256) for GPU_ARCHS with
 #           MAX_JOBS parallel jobs; the wheel is kept in a cache mount (CACHE_DIR) keyed by flash-attn,
 #           torch, Python and architectures, so a rebuild of the image does not compile again.
-# The sha256 of the wheel installed is written to /opt/nsa-image/flash_attn.sha256 in every case but none.
+# The sha256 of the wheel installed is written to /opt/nsa-image/flash_attn.sha256 in every case but none,
+# and /opt/nsa-image/installed.txt (the lock, plus flash-attn where this script installed it) lists what the
+# image must hold exactly (`python -m nsa.env --check-lock /opt/nsa-image/installed.txt`).
 set -euo pipefail
 : "${FLASH_ATTN_SOURCE:=none}" "${FLASH_ATTN_VERSION:=}" "${FLASH_ATTN_WHEEL_URL:=}" "${FLASH_ATTN_SDIST_SHA256:=}"
 : "${GPU_ARCHS:=}" "${TORCH_CUDA_ARCH_LIST:=}" "${MAX_JOBS:=4}" "${NVCC_THREADS:=2}" "${OFFLINE:=0}"
@@ -80,3 +82,9 @@ PY
     ;;
   *) die "unknown FLASH_ATTN_SOURCE '${FLASH_ATTN_SOURCE}' (none, wheel or source)" ;;
 esac
+
+cp /opt/nsa-image/lock.txt /opt/nsa-image/installed.txt
+if [ -f "${record}" ] && ! grep -q '^flash-attn' /opt/nsa-image/lock.txt; then
+  echo "flash-attn==$(python -c 'import importlib.metadata as m; print(m.version("flash-attn"))')" \
+    >> /opt/nsa-image/installed.txt
+fi

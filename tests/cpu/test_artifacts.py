@@ -105,7 +105,7 @@ def test_run_dir_layout_and_summary(tmp_path, monkeypatch):
     assert kg["status"] == "known-good" and kg["cell"] == "cu130-torch2.11-py312" and kg["gpu"] == "NVIDIA H200"
     assert kg["driver"] == "580.65" and kg["commit"] == "abc1234" and kg["image_digest"] == "sha256:feed"
     assert kg["lock"]["path"] == "requirements/locks/cu130-torch2.11-py312.txt" and len(kg["lock"]["sha256"]) == 64
-    assert kg["lock_drift"] is True and kg["headline"] == {"prefill_fwd_ms": 1.2346}
+    assert kg["lock_check"]["extra"] == 1 and kg["headline"] == {"prefill_fwd_ms": 1.2346}
     assert kg["suites"]["gpu_parity"]["status"] == "PASS" and kg["versions"]["torch"] == "2.11.0+cu130"
     assert kg["date"] and kg["artifacts"].endswith("abc1234/cu130-torch2.11-py312/nvidia-h200")
 

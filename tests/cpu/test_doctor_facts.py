@@ -13,10 +13,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-import tomllib
-
 from ci import doctor_facts
 from ci import matrix as mx
+from ci.matrix import tomllib  # tomli on Python 3.10
 from nsa import upstream
 
 ROOT = Path(__file__).resolve().parents[2]

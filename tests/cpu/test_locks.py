@@ -43,13 +43,13 @@ def test_whitespace_only_edit_is_not_stale(req: Path):
     assert locks.check(mx.load(req / "matrix.toml"), [CPU]) == []
 
 
-def test_matrix_edit_makes_the_cell_stale(req: Path):
-    text = (
-        (req / "matrix.toml")
-        .read_text()
-        .replace('runtime_image = "python:3.11-slim-bookworm"', 'runtime_image = "python:3.11-slim"')
-    )
-    (req / "matrix.toml").write_text(text)
+def test_matrix_edit_makes_the_cell_stale_unless_resolution_does_not_see_it(req: Path):
+    text = (req / "matrix.toml").read_text()
+    images_only = text.replace('runtime_image = "python:3.11-slim-bookworm"', 'runtime_image = "python:3.11-slim"')
+    (req / "matrix.toml").write_text(images_only)  # a base image does not change what is installed
+    assert locks.check(mx.load(req / "matrix.toml"), [CPU]) == []
+    pinned = text.replace('id = "cpu-torch2.13-py311"', 'id = "cpu-torch2.13-py311"\npins = ["einops==0.8.1"]', 1)
+    (req / "matrix.toml").write_text(pinned.replace("pins = []\n", "", 1))
     assert any("stale" in p for p in locks.check(mx.load(req / "matrix.toml"), [CPU]))
 
 
@@ -86,8 +86,10 @@ def test_parse_lock_handles_markers_urls_and_duplicates():
     reqs = locks.parse_lock(text)
     assert reqs["filelock"].version == "4.2.11" and reqs["flash-attn"].url.startswith("https://")
     assert reqs["typing-extensions"].hashes == ()
-    with pytest.raises(locks.LockError):
-        locks.parse_lock("this is not a requirement\n")
+    for bad in ("this is not a requirement\n", "numpy>=2 \\\n    --hash=sha256:" + "a" * 64 + "\n",
+                "x @ https://example.invalid/x-1.0.tar.gz\n"):
+        with pytest.raises(locks.LockError, match="unparseable"):
+            locks.parse_lock(bad)
 
 
 FAKE_UV = """#!{python}
@@ -97,9 +99,10 @@ if args == ["--version"]:
     print("uv 0.0.1 (fake)")
     sys.exit(0)
 cell_in = next(a for a in args if a.endswith("cell.in"))
-print("torch==2.13.0+cpu \\\\\\n    --hash=sha256:{torch}\\n    # via -r " + cell_in)
-print("triton==3.7.1 \\\\\\n    --hash=sha256:{other}\\n    # via -r " + cell_in)
-print("numpy==2.4.6 \\\\\\n    --hash=sha256:{other}\\n    # via -r requirements/runtime.in")
+with open(args[args.index("--output-file") + 1], "w") as out:  # uv writes its result to the output file
+    out.write("torch==2.13.0+cpu \\\\\\n    --hash=sha256:{torch}\\n    # via -r " + cell_in + "\\n")
+    out.write("triton==3.7.1 \\\\\\n    --hash=sha256:{other}\\n    # via -r " + cell_in + "\\n")
+    out.write("numpy==2.4.6 \\\\\\n    --hash=sha256:{other}\\n    # via -r requirements/runtime.in\\n")
 """
 
 
@@ -120,6 +123,28 @@ def test_compile_cell_writes_a_checked_lock_without_local_paths(req: Path, tmp_p
     assert "# via -r requirements/matrix.toml (cell cpu-torch2.13-py311)" in text
     assert locks.header_fields(text)["resolver"].startswith("uv 0.0.1")
     assert locks.check(m, [CPU]) == []
+
+
+def test_compile_cell_resolves_from_the_cells_index(req: Path, tmp_path: Path, monkeypatch):
+    """Without a find-links folder, uv sees exactly the cell's index (PyTorch's CPU index for the CPU cell)."""
+    monkeypatch.delenv("NSA_LOCK_FIND_LINKS", raising=False)
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("NSA_PYTORCH_INDEX", "http://mirror.invalid/whl")
+    seen = []
+    real_run = locks.subprocess.run
+
+    def spy(cmd, **kw):
+        seen.append(cmd)
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(locks.subprocess, "run", spy)
+    m = mx.load(req / "matrix.toml")
+    cell = m.get(CPU)
+    text = locks.compile_cell(m, cell, uv=_fake_uv(tmp_path, cell.torch_sha256)).read_text()
+    compile_cmd = next(c for c in seen if "compile" in c)
+    assert compile_cmd[compile_cmd.index("--extra-index-url") + 1] == "http://mirror.invalid/whl/cpu"
+    assert "mirror.invalid" not in text  # the header names PyTorch's own index, never a mirror
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu -r cpu-torch2.13-py311.txt" in text
 
 
 def test_compile_cell_refuses_a_torch_wheel_with_another_hash(req: Path, tmp_path: Path, monkeypatch):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-import tomllib
 
 from ci import matrix as mx
+from ci.matrix import tomllib
 
 REQUIRED = {  # (CUDA, torch major.minor) pairs the issue asks for, plus the lent GPU machine's exact stack
     ("none", "2.13"),
@@ -17,6 +17,13 @@ REQUIRED = {  # (CUDA, torch major.minor) pairs the issue asks for, plus the len
     ("12.8", "2.9"),
     ("13.0", "2.11"),
 }
+
+
+@pytest.fixture(autouse=True)
+def _pytorchs_own_index(monkeypatch):
+    """The URLs below are PyTorch's own: a mirror set around the test run (NSA_PYTORCH_INDEX) must not count."""
+    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
+
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +132,59 @@ def test_cpu_cell_with_cuda_or_flash_is_rejected(data):
     assert "flash-attn needs CUDA" in _problems(_with_cell(data, "cpu-torch2.13-py311", flash_attn=fa))
 
 
-def test_cuda_variant_not_on_pypi_needs_an_index(data):
+def test_cuda_variant_not_on_pypi_needs_pytorchs_index(data):
     d = _with_cell(
         data, "cu128-torch2.8-py311", cuda="12.6", id="cu126-torch2.8-py311", gpu_archs=["8.0", "9.0"]
     )
-    assert "needs torch_index" in _problems(d)
+    assert "needs torch = '2.8.0+cu126' from torch_index = 'pytorch'" in _problems(d)
+    d = _with_cell(data, "cu128-torch2.8-py311", cuda="12.6", id="cu126-torch2.8-py311", gpu_archs=["8.0", "9.0"],
+                   torch="2.8.0+cu126", torch_index="pytorch", torch_sha256="a" * 64)
+    m = mx.parse(d)
+    assert m.index_url(m.get("cu126-torch2.8-py311")) == "https://download.pytorch.org/whl/cu126"
+
+
+def test_torch_index_must_carry_the_cells_torch(data):
+    assert "set torch_index = 'pytorch'" in _problems(_with_cell(data, "cpu-torch2.13-py311", torch_index="pypi"))
+    assert "torch_index must be one of" in _problems(_with_cell(data, "cpu-torch2.13-py311", torch_index="x"))
+    assert "pin that, or use 'pypi'" in _problems(_with_cell(data, "cu130-torch2.11-py312", torch_index="pytorch"))
+    d = copy.deepcopy(data)
+    del next(c for c in d["cell"] if c["id"] == "cu130-torch2.11-py312")["torch_index"]
+    assert "missing field 'torch_index'" in _problems(d)
+
+
+def test_every_cell_names_its_index_and_a_mirror_replaces_pytorchs(monkeypatch):
+    m = mx.load()
+    cpu, gpu = m.get("cpu-torch2.13-py311"), m.get("cu130-torch2.11-py312")
+    assert m.pip_index_args(cpu) == ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+    assert m.pip_index_args(gpu) == []  # PyPI carries torch 2.11.0 as the CUDA 13.0 build
+    monkeypatch.setenv("NSA_PYTORCH_INDEX", "http://127.0.0.1:8000/whl/")
+    assert m.index_url(cpu) == "http://127.0.0.1:8000/whl/cpu"
+
+
+def test_quickstart_cells_cover_every_supported_python(data):
+    m = mx.load()
+    assert sorted(m.quickstart) == ["3.10", "3.11", "3.12", "3.13"]
+    for py, cell_id in m.quickstart.items():
+        assert m.get(cell_id).python == py
+    d = copy.deepcopy(data)
+    d["defaults"]["quickstart"]["3.12"] = "cpu-torch2.13-py311"
+    assert "Python 3.12 needs a cell for Python 3.12" in _problems(d)
+
+
+def test_build_and_run_stages_must_share_the_os_and_nvcc_where_flash_attn_compiles(data):
+    msg = _problems(_with_cell(data, "cu130-torch2.11-py312", runtime_image="ubuntu:22.04"))
+    assert "base_image is ubuntu24.04 but runtime_image is ubuntu22.04" in msg
+    msg = _problems(_with_cell(data, "cu130-torch2.11-py312", base_image="ubuntu:24.04"))
+    assert "must be a CUDA -devel image" in msg
+
+
+def test_driver_facts():
+    m = mx.load()
+    assert m.min_driver("12.8") == ("570.26", "525.60.13")
+    assert m.min_driver("12.7")[1] == "525.60.13"  # a minor without its own entry: its major's floor
+    assert m.min_driver("13.0") == ("580.65.06", "580.65.06")
+    with pytest.raises(KeyError, match="no driver facts"):
+        m.min_driver("11.8")
 
 
 def test_unknown_torch_and_missing_field(data):
@@ -152,9 +207,9 @@ def test_wheel_name_and_url():
     assert url.endswith("/v2.8.3/flash_attn-2.8.3%2Bcu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl")
 
 
-def test_load_cells_gives_plain_dicts_and_cli(capsys):
-    cells = mx.load_cells()
-    assert all(isinstance(c, dict) and c["id"] for c in cells)
+def test_cli(capsys):
     assert mx.main(["validate"]) == 0
+    assert mx.main(["show", "cpu-torch2.13-py311", "--json"]) == 0
+    assert '"index_url": "https://download.pytorch.org/whl/cpu"' in capsys.readouterr().out
     assert mx.main(["show", "nope"]) == 2
     assert "unknown cell 'nope'" in capsys.readouterr().err

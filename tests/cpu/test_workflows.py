@@ -1,4 +1,4 @@
-"""The GitHub workflows, their matrix script and their checks (issue 7).
+"""The GitHub workflows, the inputs ci/github.py gives them, the action pins, and the workflow checks.
 
 Tests that run the lint tools skip when the tools are absent (the CPU cell's venv has none), except
 under `nox -s lint`, which installs requirements/locks/lint.txt and sets NSA_REQUIRE_LINT_TOOLS=1 so
@@ -20,12 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ci import gh_matrix, lint  # noqa: E402
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from ci import github, images, lint  # noqa: E402
+from ci.matrix import load  # noqa: E402
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 REQUIRE_TOOLS = os.environ.get("NSA_REQUIRE_LINT_TOOLS") == "1"
@@ -49,170 +45,120 @@ def need_yaml():
     return pytest.importorskip("yaml", reason="pyyaml not installed here (run `nox -s lint`)")
 
 
-# ------------------------------------------------------------------------------------- matrix script
-
-
-def raw_cells() -> list[dict]:
-    data = tomllib.loads((ROOT / "requirements" / "matrix.toml").read_text(encoding="utf-8"))
-    cells = data.get("cell", data.get("cells"))
-    assert isinstance(cells, list) and cells, "requirements/matrix.toml has no [[cell]] tables"
-    return cells
+# ------------------------------------------------------------------------------ matrices and build args
 
 
 def test_images_matrix_is_every_cell_in_order():
-    out = gh_matrix.images_matrix(gh_matrix.load_cells())
-    assert [e["cell"] for e in out["include"]] == [c["id"] for c in raw_cells()]
-    assert {e["cell"]: e["cpu_only"] for e in out["include"]} == {
-        c["id"]: bool(c["cpu_only"]) for c in raw_cells()
-    }
+    m = load()
+    out = github.images_matrix(m.cells)
+    assert [e["cell"] for e in out["include"]] == [c.id for c in m.cells]
+    assert {e["cell"]: e["cpu_only"] for e in out["include"]} == {c.id: c.cpu_only for c in m.cells}
 
 
 def test_gpu_matrix_is_every_gpu_cell_on_each_gpu_it_was_built_for():
-    out = gh_matrix.gpu_matrix(gh_matrix.load_cells())["include"]
-    expected = set()
-    for c in raw_cells():
-        if c["cpu_only"]:
-            continue
-        for gpu, cc in gh_matrix.GPU_CLASSES.items():
-            if cc in [str(a) for a in c["gpu_archs"]]:
-                expected.add((c["id"], gpu))
+    m = load()
+    out = github.gpu_matrix(m, m.cells)["include"]
+    expected = {(c.id, gpu) for c in m.cells if not c.cpu_only
+                for gpu, cc in github.GPU_CLASSES.items() if cc in c.gpu_archs}
     got = [(e["cell"], e["gpu"]) for e in out]
     assert len(got) == len(set(got)), "duplicate (cell, gpu) pairs: artifact names would collide"
     assert set(got) == expected
-    assert {cid for cid, _ in expected} == {c["id"] for c in raw_cells() if not c["cpu_only"]}, (
-        "a GPU cell runs on no GPU class"
-    )
-    for e in out:
-        assert e["cuda_label"] == "cuda" + e["cuda"].split(".")[0]
-        assert re.fullmatch(r"\d+\.\d+(\.\d+)?", e["min_driver"])
-
-
-def test_loader_and_plain_toml_agree_on_the_cells():
-    via_loader = gh_matrix.load_cells()
-    plain = gh_matrix.load_cells(use_loader=False)
-    assert [c["id"] for c in via_loader] == [c["id"] for c in plain]
-    assert gh_matrix.gpu_matrix(via_loader) == gh_matrix.gpu_matrix(plain)
+    assert {cid for cid, _ in expected} == {c.id for c in m.cells if not c.cpu_only}, "a GPU cell runs on no GPU"
+    by = {(e["cell"], e["gpu"]): e for e in out}
+    assert (by["cu121-torch2.4-py311", "a100"]["min_driver"], by["cu121-torch2.4-py311", "a100"]["cuda_label"]) == (
+        "530.30.02", "cuda12")
+    assert by["cu130-torch2.11-py312", "h100"]["min_driver_compat"] == "580.65.06"
+    with pytest.raises(Exception, match="unknown GPU class"):
+        github.gpu_matrix(m, m.cells, ["v100"])
 
 
 def test_gpu_matrix_cli_matches_function(tmp_path):
     gh_out = tmp_path / "gh_output"
     env = {**os.environ, "GITHUB_OUTPUT": str(gh_out)}
     proc = subprocess.run(
-        [sys.executable, "ci/gh_matrix.py", "gpu", "--github-output", "matrix"],
+        [sys.executable, "-m", "ci.github", "gpu", "--github-output", "matrix"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     name, _, value = gh_out.read_text().strip().partition("=")
     assert name == "matrix"
-    assert json.loads(value) == gh_matrix.gpu_matrix(gh_matrix.load_cells())
+    m = load()
+    assert json.loads(value) == github.gpu_matrix(m, m.cells)
 
 
-FIXTURE = """
-[[cell]]
-id = "cpu-x"
-python = "3.11"
-cuda = "none"
-cpu_only = true
-torch = "2.13.0+cpu"
-gpu_archs = []
-
-[[cell]]
-id = "cu130-h"
-python = "3.12"
-cuda = "13.0"
-cpu_only = false
-torch = "2.11.0"
-triton = "3.6.0"
-gpu_archs = ["9.0"]
-
-[[cell]]
-id = "cu121-a"
-python = "3.11"
-cuda = "cu121"
-cpu_only = false
-torch = "2.4.1"
-gpu_archs = "8.0;8.6"
-"""
-
-
-def fixture_cells(tmp_path, text=FIXTURE):
-    p = tmp_path / "matrix.toml"
-    p.write_text(text)
-    return gh_matrix._cells_from_toml(p)
-
-
-def test_gpu_matrix_pairs_cells_with_their_archs_and_drivers(tmp_path):
-    out = gh_matrix.gpu_matrix(fixture_cells(tmp_path))["include"]
-    assert [(e["cell"], e["gpu"]) for e in out] == [("cu130-h", "h100"), ("cu121-a", "a100")]
-    h, a = out
-    assert (h["cuda"], h["cuda_label"], h["min_driver"], h["min_driver_compat"]) == (
-        "13.0", "cuda13", "580.65.06", "580.65.06",
-    )
-    assert (a["cuda"], a["cuda_label"], a["min_driver"], a["min_driver_compat"]) == (
-        "12.1", "cuda12", "530.30.02", "525.60.13",
-    )
-    assert gh_matrix.min_driver("12.8") == ("570.26", "525.60.13")
-    assert gh_matrix.min_driver("12.7")[1] == "525.60.13"
-    with pytest.raises(gh_matrix.MatrixError, match="unknown GPU class"):
-        gh_matrix.gpu_matrix(fixture_cells(tmp_path), ["v100"])
-
-
-@pytest.mark.parametrize(
-    ("edit", "message"),
-    [
-        (lambda t: t.replace('id = "cu121-a"', 'id = "cu130-h"'), "duplicate cell id"),
-        (lambda t: t.replace('cuda = "cu121"', 'cuda = "twelve"'), "CUDA version"),
-        (lambda t: t.replace('cuda = "cu121"', 'cuda = "11.8"'), "no known driver floor"),
-        (lambda t: t.replace('gpu_archs = "8.0;8.6"', 'gpu_archs = ["ampere"]'), "GPU arch"),
-    ],
-)
-def test_gpu_matrix_rejects_bad_cells(tmp_path, edit, message):
-    p = tmp_path / "matrix.toml"
-    p.write_text(edit(FIXTURE))
-    with pytest.raises(gh_matrix.MatrixError, match=message):
-        gh_matrix.gpu_matrix(gh_matrix.load_cells(p, use_loader=False))
-
-
-
-def test_images_lock_pins_every_entry_by_digest(tmp_path):
-    m = gh_matrix.gpu_matrix(fixture_cells(tmp_path))
+def test_images_lock_pins_every_entry_by_digest():
+    m = load()
+    cells = [m.get("cu121-torch2.4-py311"), m.get("cu130-torch2.11-py312")]
     digest = "sha256:" + "a" * 64
-    lock = {"cu130-h": {"image": "ghcr.io/o/nsa", "digest": digest}}
-    with pytest.raises(gh_matrix.MatrixError, match=r"no valid digest for cell\(s\) \['cu121-a'\]"):
-        gh_matrix.attach_images(m, lock)
-    lock["cu121-a"] = {"image": "ghcr.io/o/nsa", "digest": "latest"}
-    with pytest.raises(gh_matrix.MatrixError, match="cu121-a"):
-        gh_matrix.attach_images(gh_matrix.gpu_matrix(fixture_cells(tmp_path)), lock)
-    lock["cu121-a"]["digest"] = digest
-    m = gh_matrix.gpu_matrix(fixture_cells(tmp_path))
-    gh_matrix.attach_images(m, lock)
-    assert all(e["image"] == f"ghcr.io/o/nsa@{digest}" for e in m["include"])
+    lock = {"cu130-torch2.11-py312": {"image": "ghcr.io/o/nsa", "digest": digest}}
+    with pytest.raises(Exception, match=r"no valid digest for cell\(s\) \['cu121-torch2.4-py311'\]"):
+        github.attach_images(github.gpu_matrix(m, cells), lock)
+    lock["cu121-torch2.4-py311"] = {"image": "ghcr.io/o/nsa", "digest": "latest"}
+    with pytest.raises(Exception, match="cu121-torch2.4-py311"):
+        github.attach_images(github.gpu_matrix(m, cells), lock)
+    lock["cu121-torch2.4-py311"]["digest"] = digest
+    out = github.gpu_matrix(m, cells)
+    github.attach_images(out, lock)
+    assert all(e["image"] == f"ghcr.io/o/nsa@{digest}" for e in out["include"])
 
 
-def test_build_args_only_those_the_dockerfile_declares(tmp_path):
-    dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("ARG BUILD_BASE=x\nFROM ${BUILD_BASE}\nARG CELL\nARG TORCH_CUDA_ARCH_LIST=\n")
-    cells = {c["id"]: c for c in fixture_cells(tmp_path)}
-    assert gh_matrix.build_args(cells["cu121-a"], dockerfile) == {
-        "CELL": "cu121-a", "TORCH_CUDA_ARCH_LIST": "8.0;8.6",
-    }
-    assert gh_matrix.build_args(cells["cpu-x"], dockerfile) == {"CELL": "cpu-x"}
-    real = ROOT / "docker" / "Dockerfile"
-    if real.exists():
-        args = gh_matrix.build_args(gh_matrix.load_cells()[0], real)
-        assert set(args) <= gh_matrix.dockerfile_args(real)
-        assert args.get("CELL") == gh_matrix.load_cells()[0]["id"]
+def workflow_build_args(cell: str, flash: bool = True) -> dict[str, str]:
+    """What images.yml passes to `docker build` for a cell: the output of its build-args step, run here."""
+    args = ["--without-flash-attn"] if not flash else []
+    proc = subprocess.run([sys.executable, "-m", "ci.github", "build-args", "--cell", cell, *args], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines())
+
+
+def test_workflow_build_args_equal_the_plans_for_every_cell_and_key():
+    m = load()
+    for cell in m.cells:
+        for flash in (True, False):
+            plan = images.make_plan(m, cell, flash_attn=flash).build_args
+            assert workflow_build_args(cell.id, flash) == plan, f"{cell.id} (flash-attn={flash})"
+
+
+def test_images_workflow_builds_with_the_plans_build_args_only():
+    yaml = need_yaml()
+    doc = yaml.safe_load((WORKFLOWS / "images.yml").read_text(encoding="utf-8"))
+    steps = doc["jobs"]["build"]["steps"]
+    meta = next(s for s in steps if s.get("id") == "meta")
+    assert "-m ci.github build-args --cell \"$CELL\" --github-output build_args" in meta["run"]
+    build = next(s for s in steps if str(s.get("uses", "")).startswith("docker/build-push-action@"))
+    assert build["with"]["build-args"] == "${{ steps.meta.outputs.build_args }}"
+    assert build["with"]["file"] == "docker/Dockerfile" and "labels" not in build["with"]
+
+
+def test_every_lock_install_passes_its_cells_index():
+    """Workflows install cell locks only through nox sessions (ci/install.py adds the cell's index) or the
+    Docker build (build arg TORCH_INDEX_URL); a direct `pip install -r <cell lock>` must carry an index."""
+    from ci.install import pip_args
+
+    m = load()
+    for cell in m.cells:
+        args = pip_args(m, cell)
+        url = m.index_url(cell)
+        assert (args[args.index("--extra-index-url") + 1] == url) if url else "--extra-index-url" not in args
+    cell_locks = {f"requirements/locks/{c.id}.txt" for c in m.cells}
+    for wf in sorted(WORKFLOWS.glob("*.yml")):
+        for line in wf.read_text(encoding="utf-8").replace("\\\n", " ").splitlines():
+            if "pip install" in line and any(lock in line for lock in cell_locks):
+                assert "--extra-index-url" in line or "pypi" in line, f"{wf.name}: {line.strip()}"
+            if re.search(r"pip install .*-r requirements/locks/\$", line):
+                pytest.fail(f"{wf.name}: installs a lock chosen at run time without its index: {line.strip()}")
 
 
 # ------------------------------------------------------------------------------- nox sessions called
 
 
 def nox_sessions() -> set[str]:
-    """Session names defined in noxfile.py (ast: no nox import needed), cross-checked with
-    `nox --list --json` when nox is installed."""
+    """Session names defined in noxfile.py (ast: no nox import needed): decorated functions and the GPU
+    suites registered from the GPU_SUITES table, cross-checked with `nox --list --json` when nox is installed."""
     tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
     names = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [ast.unparse(x) for x in node.targets] == ["GPU_SUITES"]:
+            names.update(ast.literal_eval(node.value))
         if not isinstance(node, ast.FunctionDef):
             continue
         for dec in node.decorator_list:
@@ -317,17 +263,27 @@ def test_gpu_workflow_contract():
     doc = lint._load_yaml(WORKFLOWS / "gpu.yml")
     assert "pull_request_target" not in doc["on"]
     assert doc["permissions"] == {"contents": "read"}
-    assert doc["concurrency"]["cancel-in-progress"] is True
+    # A push cancels the older head's run; labelling never cancels (once per head, below).
+    assert doc["concurrency"]["cancel-in-progress"] == "${{ github.event.action != 'labeled' }}"
     plan, gpu = doc["jobs"]["plan"], doc["jobs"]["gpu"]
-    assert lint.FORK_GUARD in " ".join(plan["if"].split())
-    assert "contains(github.event.pull_request.labels.*.name, 'gpu-ci')" in plan["if"]
+    cond = " ".join(plan["if"].split())
+    assert lint.FORK_GUARD in cond
+    assert "contains(github.event.pull_request.labels.*.name, 'gpu-ci')" in cond
+    assert "(github.event.action != 'labeled' || github.event.label.name == 'gpu-ci')" in cond
+    once = next(s for s in plan["steps"] if s.get("id") == "once")
+    assert "head_sha=$HEAD_SHA" in once["run"] and plan["permissions"]["actions"] == "read"
+    assert gpu["if"] == "${{ needs.plan.outputs.run == 'true' }}" and gpu["name"].startswith("gpu ")
+    assert 'startswith("gpu ")' in once["run"], "the once-per-head check must recognise the GPU jobs by name"
+    assert gpu["environment"] == "${{ github.event_name == 'pull_request' && 'gpu-pull-request' || 'gpu' }}"
     assert gpu["runs-on"] == "${{ matrix.runs_on }}"
-    for e in gh_matrix.gpu_matrix(gh_matrix.load_cells())["include"]:
+    m = load()
+    entries = github.gpu_matrix(m, m.cells)["include"]
+    for e in entries:
         assert e["runs_on"] == ["self-hosted", "linux", "x64", "gpu", e["gpu"], e["cuda_label"]]
     declared = set(lint._load_yaml(ROOT / ".github" / "actionlint.yaml")["self-hosted-runner"]["labels"])
-    used = {label for e in gh_matrix.gpu_matrix(gh_matrix.load_cells())["include"] for label in e["runs_on"]}
+    used = {label for e in entries for label in e["runs_on"]}
     assert used - {"self-hosted", "linux", "x64"} <= declared, "declare every runner label in actionlint.yaml"
-    assert gh_matrix.runs_on("h100", "cuda13", scale_sets=True) == ["nsa-h100-cuda13"]
+    assert github.runs_on("h100", "cuda13", scale_sets=True) == ["nsa-h100-cuda13"]
     assert gpu["container"]["options"].startswith("--gpus all --shm-size 16g --ipc host")
     assert gpu["timeout-minutes"] > 0
     upload = [s for s in gpu["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
@@ -463,7 +419,7 @@ def test_rehearsal_copy_keeps_every_run_step_and_drops_remote_setup_actions():
     need_yaml()
     from ci import rehearse
 
-    doc = rehearse.load_workflow(WORKFLOWS / "ci.yml")
+    doc = lint._load_yaml(WORKFLOWS / "ci.yml")
     out = rehearse.offline_copy(doc, ["lint", "tests"])
     assert set(out["jobs"]) == {"lint", "tests"}
     for job in out["jobs"].values():
@@ -471,3 +427,56 @@ def test_rehearsal_copy_keeps_every_run_step_and_drops_remote_setup_actions():
         assert uses == ["actions/checkout"]
     with pytest.raises(rehearse.RehearsalError, match="no job"):
         rehearse.offline_copy(doc, ["nope"])
+
+
+# ------------------------------------------------------------------------------------ action pins
+
+
+def test_no_action_runs_on_node20_or_an_unrecorded_commit():
+    facts = lint.load_action_facts(ROOT)
+    assert facts, ".github/actions.toml records the pinned actions"
+    for pin, fact in facts.items():
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", pin), pin
+        assert fact["runs_using"] in ("node24", "composite", "docker"), f"{pin}: {fact['runs_using']}"
+        assert fact.get("checked"), f"{pin}: say how its facts were established"
+    used = set()
+    for wf in lint.workflow_files(ROOT):
+        assert lint.check_action_pins(wf, facts) == [], wf.name
+        used |= {f"{m[1]}@{m[2]}" for line in wf.read_text().splitlines() if (m := lint.USES_LINE.match(line))}
+    inner = {i for f in facts.values() for i in f.get("runs_inner", [])}
+    assert set(facts) - used - inner == set(), "facts recorded for pins no workflow uses"
+
+
+def test_action_pin_check_fails_on_node20_unrecorded_and_mislabelled_pins(tmp_path):
+    old = "actions/checkout@11bd71901bbe5b1630ceea73d27597364c9af683"
+    facts = {**lint.load_action_facts(ROOT),
+             old: {"repo": "actions/checkout", "version": "v4.2.2", "runs_using": "node20"}}
+    wf = tmp_path / "x.yml"
+    wf.write_text(
+        "jobs:\n  a:\n    steps:\n"
+        f"      - uses: {old} # v4.2.2\n"
+        "      - uses: actions/setup-python@a309ff8b426b58ec0e2a45f0f869d46889d02405 # v6.0.0\n"
+        "      - uses: someone/else@" + "b" * 40 + " # v1\n"
+        "      - uses: ./.github/actions/local\n"
+    )
+    problems = "\n".join(lint.check_action_pins(wf, facts))
+    assert "actions/checkout@11bd71901bbe5b1630ceea73d27597364c9af683 runs on node20" in problems
+    assert "is v6.2.0, but its comment says 'v6.0.0'" in problems
+    assert "someone/else@" + "b" * 40 + " is not recorded" in problems
+    assert "local" not in problems
+    composite = {**facts, old: {**facts[old], "runs_using": "composite", "runs_inner": ["x/y@" + "c" * 40]}}
+    assert "runs x/y@" in "\n".join(lint.check_action_pins(wf, composite))
+
+
+def test_dependency_updates_cover_actions_locks_and_base_images():
+    config = json.loads((ROOT / ".github" / "renovate.json").read_text())
+    assert {"github-actions", "pip_requirements", "custom.regex"} <= set(config["enabledManagers"])
+    locks = config["pip_requirements"]["managerFilePatterns"]
+    assert any("requirements/locks" in p for p in locks) and any("bootstrap" in p for p in locks)
+    (regex,) = config["customManagers"]
+    assert "matrix" in regex["managerFilePatterns"][0] and regex["datasourceTemplate"] == "docker"
+    pattern = re.compile(regex["matchStrings"][0].replace("(?<", "(?P<"))
+    text = (ROOT / "requirements" / "matrix.toml").read_text()
+    found = {(m["depName"], m["currentValue"]) for m in pattern.finditer(text)}
+    m = load()
+    assert found == {tuple(i.split(":", 1)) for c in m.cells for i in (c.base_image, c.runtime_image)}

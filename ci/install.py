@@ -1,0 +1,74 @@
+"""Which configuration cell a nox session installs, and installing it from its lock with its package index.
+
+The cell is NSA_CELL, else the Quick-start cell of the session's Python (requirements/matrix.toml,
+[defaults.quickstart]). A Python without one, or a cell locked for another Python, stops the session with
+a message naming the cell or the Python to use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from packaging.version import Version
+
+from ci.locks import lock_path
+from ci.matrix import Cell, Matrix, load
+
+
+class CellChoiceError(RuntimeError):
+    """No cell of the matrix can be installed into this interpreter as asked."""
+
+
+def choose_cell(matrix: Matrix, python: str, requested: str | None = None) -> Cell:
+    """The cell to install into a Python `python` ("3.12"): `requested` (NSA_CELL), else the Quick-start one."""
+    quick = matrix.quickstart
+    supported = ", ".join(sorted(quick, key=Version))
+    if requested:
+        try:
+            cell = matrix.get(requested)
+        except KeyError as e:
+            raise CellChoiceError(f"NSA_CELL: {e.args[0]}") from None
+        if cell.python != python:
+            other = f"NSA_CELL={quick[python]} (the cell for Python {python}) or " if python in quick else ""
+            raise CellChoiceError(
+                f"cell {cell.id} is locked for Python {cell.python}, this session runs Python {python}: use "
+                f"{other}a venv made with python{cell.python} (`python{cell.python} -m venv .venv`)"
+            )
+        return cell
+    if python not in quick:
+        raise CellChoiceError(
+            f"Python {python} is not supported: the Quick start supports Python {supported}. Make the venv "
+            f"with one of them (e.g. `python3.12 -m venv .venv`), or set NSA_CELL to a cell locked for "
+            f"Python {python} (`python -m ci.matrix list`)"
+        )
+    return matrix.get(quick[python])
+
+
+def pip_args(matrix: Matrix, cell: Cell) -> list[str]:
+    """`pip install` arguments that install the cell's lock exactly, from the cell's package index."""
+    return ["--require-hashes", "--no-deps", *matrix.pip_index_args(cell), "-r", str(lock_path(matrix, cell.id))]
+
+
+def install_cell(session) -> Cell | None:
+    """Install the session's cell exactly (hashes, no resolver), then this project without dependencies;
+    exports NSA_CELL. With --no-venv nothing is installed: the interpreter is assumed prepared."""
+    import nox
+
+    if isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+        session.log("--no-venv: using the current interpreter as it is")
+        return None
+    out = session.run("python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])", silent=True)
+    python = out.strip() if isinstance(out, str) else "{}.{}".format(*sys.version_info)  # None when reused
+    matrix = load()
+    try:
+        cell = choose_cell(matrix, python, os.environ.get("NSA_CELL"))
+    except CellChoiceError as e:
+        session.error(str(e))
+    if not lock_path(matrix, cell.id).exists():
+        session.error(f"no lock for cell {cell.id}: run `nox -s lock -- {cell.id}`")
+    session.log(f"cell {cell.id} (Python {cell.python}, torch {cell.torch})")
+    session.install(*pip_args(matrix, cell))
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+    session.env["NSA_CELL"] = cell.id
+    return cell

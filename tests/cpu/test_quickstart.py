@@ -1,0 +1,117 @@
+"""The Quick start's cell choice (ci/install.py) and its local package index (ci/quickstart.py).
+
+The Quick start itself, run in a fresh clone with no pip configuration, is `python -m ci.quickstart`
+(.ci/run runs it for Python 3.11 with the library install and examples, then 3.12, 3.13 and 3.10).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ci import quickstart as Q
+from ci.install import CellChoiceError, choose_cell, pip_args
+from ci.matrix import load
+
+
+@pytest.fixture(autouse=True)
+def _pytorchs_own_index(monkeypatch):
+    """The URLs below are PyTorch's own: a mirror set around the test run (NSA_PYTORCH_INDEX) must not count."""
+    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
+
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return load()
+
+
+def test_each_supported_python_gets_its_quickstart_cell(matrix):
+    for py in ("3.10", "3.11", "3.12", "3.13"):
+        cell = choose_cell(matrix, py)
+        assert cell.python == py and cell.id == matrix.quickstart[py]
+    assert choose_cell(matrix, "3.11").id == "cpu-torch2.13-py311"
+
+
+@pytest.mark.parametrize("python", ["3.9", "3.14"])
+def test_unsupported_python_names_the_pythons_to_use(matrix, python):
+    with pytest.raises(CellChoiceError) as e:
+        choose_cell(matrix, python)
+    msg = str(e.value)
+    assert f"Python {python} is not supported" in msg and "3.10, 3.11, 3.12, 3.13" in msg
+    assert "python3.12 -m venv .venv" in msg and "NSA_CELL" in msg
+
+
+def test_a_cell_for_another_python_names_the_cell_and_the_python_to_use(matrix):
+    with pytest.raises(CellChoiceError) as e:
+        choose_cell(matrix, "3.12", "cpu-torch2.13-py311")
+    msg = str(e.value)
+    assert "cell cpu-torch2.13-py311 is locked for Python 3.11, this session runs Python 3.12" in msg
+    assert "NSA_CELL=cu130-torch2.13-py312" in msg and "python3.11 -m venv .venv" in msg
+    with pytest.raises(CellChoiceError, match="unknown cell 'nope'"):
+        choose_cell(matrix, "3.11", "nope")
+    assert choose_cell(matrix, "3.12", "cu130-torch2.11-py312").id == "cu130-torch2.11-py312"
+
+
+def test_install_args_carry_the_cells_index(matrix):
+    cpu = pip_args(matrix, matrix.get("cpu-torch2.13-py311"))
+    assert cpu[:2] == ["--require-hashes", "--no-deps"] and cpu[-2] == "-r"
+    assert cpu[cpu.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert "--extra-index-url" not in pip_args(matrix, matrix.get("cu130-torch2.13-py312"))
+
+
+def test_readme_blocks_are_the_quick_start_and_the_library_install():
+    assert Q.readme_commands() == [
+        "python3 -m venv .venv && .venv/bin/pip install --require-hashes -r requirements/bootstrap.txt"
+        " && .venv/bin/nox -s cpu_smoke",
+        ".venv/bin/nox -s tests",
+    ]
+    install = Q.readme_commands("Install the library for use")
+    assert any("--extra-index-url https://download.pytorch.org/whl/cpu" in c for c in install)
+    assert any("nsa.env --check-lock" in c for c in install)
+    assert "import torch" in Q.readme_blocks("Using it", "python")[0]
+
+
+def _wheel(directory: Path, name: str, version: str) -> Path:
+    """A minimal valid wheel (metadata only)."""
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_local_index_serves_pytorchs_layout_to_pip(tmp_path, matrix, monkeypatch):
+    """The PEP 503 index the Quick start test serves: pip finds and downloads from /whl/<variant>/<project>/."""
+    files = tmp_path / "files"
+    files.mkdir()
+    wheels = [_wheel(files, "nsa_fake_dep", "1.2.3"), _wheel(files, "Other.Pkg", "0.1")]
+    monkeypatch.setattr(Q, "download_wheels", lambda m, c, dest: wheels)
+    cell = matrix.get("cpu-torch2.13-py311")
+    with Q.local_index(matrix, cell) as env:
+        url = env["NSA_PYTORCH_INDEX"]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/whl")
+        out = tmp_path / "out"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--index-url", f"{url}/cpu", "-d",
+             str(out), "nsa-fake-dep==1.2.3", "other-pkg"],
+            env=Q.clean_env({}), capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(w.name for w in wheels)
+    with Q.local_index(matrix, matrix.get("cu130-torch2.13-py312")) as env:
+        assert env == {}  # PyPI alone: nothing to serve
+
+
+def test_clean_env_drops_every_pip_setting(monkeypatch):
+    monkeypatch.setenv("PIP_FIND_LINKS", "/somewhere")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://elsewhere/simple")
+    env = Q.clean_env({"NSA_PYTORCH_INDEX": "http://127.0.0.1:1/whl"})
+    assert env["PIP_CONFIG_FILE"] == "/dev/null" and env["NSA_PYTORCH_INDEX"] == "http://127.0.0.1:1/whl"
+    assert not [k for k in env if k.startswith("PIP_") and k != "PIP_CONFIG_FILE"]

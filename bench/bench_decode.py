@@ -179,12 +179,21 @@ def parse_args(argv=None):
 # --- timing ----------------------------------------------------------------------------------------------
 
 
-def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2) -> float:
+def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2, warm_seconds: float = 0.1) -> float:
     """Median ms per call of fn over `repeats` batches of `inner` back-to-back calls (restore() before each
-    batch, untimed)."""
+    batch, untimed). Warm-up: `warmup` calls, then more (restoring as timed batches do) until `warm_seconds`
+    have passed, so the GPU runs at its working clocks when the timed batches start (a 70 us step timed
+    right after a pause measured a few percent slower)."""
     restore()
     for _ in range(warmup):
         fn()
+    sync(device)
+    t_end = time.perf_counter() + warm_seconds
+    while time.perf_counter() < t_end:
+        restore()
+        for _ in range(inner):
+            fn()
+        sync(device)
     times = []
     for _ in range(repeats):
         restore()

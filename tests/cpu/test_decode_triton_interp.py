@@ -34,6 +34,8 @@ except Exception as e:  # noqa: BLE001
 if "Interpreted" not in type(kd._append_kernel).__name__:
     pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
@@ -51,7 +53,7 @@ def _interp(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("NSA_USE_TRITON_DECODE", raising=False)
     # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes
-    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4))
+    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1))
     telemetry.reset()
     saved = (decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu)
     yield
@@ -217,3 +219,40 @@ def test_auto_routes_to_the_kernels_when_they_can_run(gen):
     decode_all(case, cache, "auto")
     counts = {(r["branch"], r["backend"], r["reason"]): r["calls"] for r in telemetry.snapshot()["counts"]}
     assert counts == {(b, "triton_decode", "ok"): 1 for b in ("cmp", "sel", "win")}
+
+
+@triton.jit
+def _merge_probe(CAND, OUT, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                 N_SEL: tl.constexpr, N_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+    srt = kd._merge_candidates(CAND, 0, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
+    rk = tl.arange(0, N_PAD)
+    tl.store(OUT + rk, srt, mask=rk < N_SEL)
+
+
+@pytest.mark.parametrize("n_sel,n_init,n_local,n_chunks", [(16, 1, 2, 17), (7, 0, 0, 5), (13, 2, 3, 3), (4, 1, 1, 1)])
+def test_candidate_merge_takes_the_forced_blocks_and_the_best_keys(n_sel, n_init, n_local, n_chunks):
+    # Each chunk's candidates: its best keys in descending order, -1 padded (what the scoring kernel writes);
+    # equal scores across chunks break ties by block index inside the key. The merge must give the forced
+    # blocks plus the best `need` keys overall, ascending, -1 padded.
+    gen = torch.Generator().manual_seed(n_sel * 100 + n_chunks)
+    block_sel, cj = 64, 8
+    for t in (0, 70, 5 * 64 + 3, 40 * 64 + 63):
+        jt = t // block_sel
+        forced = sorted(set(range(min(jt + 1, n_init))) | set(range(max(0, jt - n_local + 1), jt + 1)))
+        lists = []
+        for c in range(n_chunks):
+            js = [j for j in range(c * cj, (c + 1) * cj) if j <= jt and j not in forced]
+            score = torch.randint(0, 4, (len(js),), generator=gen).float() / 4  # many exact ties
+            keys = [(int(torch.tensor(float(s)).view(torch.int32)) << 32) + (2**31 - 1 - j) for s, j in zip(score, js)]
+            keys = sorted(keys, reverse=True)[:n_sel]
+            lists.append(keys + [-1] * (n_sel - len(keys)))
+        cand = torch.tensor(sum(lists, []), dtype=torch.int64)
+        need = n_sel - len(forced)
+        best = sorted((k for k in cand.tolist() if k >= 0), reverse=True)[:max(need, 0)]
+        want = sorted(forced + [2**31 - 1 - (k & 0xFFFFFFFF) for k in best])
+        want += [-1] * (n_sel - len(want))
+        out = torch.full((n_sel,), -7, dtype=torch.int64)
+        n_pad = max(2, 1 << (n_sel - 1).bit_length())
+        _merge_probe[(1,)](cand, out, t, cand.numel(), BLOCK_SEL=block_sel, N_INIT=n_init, N_LOCAL=n_local,
+                           N_SEL=n_sel, N_PAD=n_pad, NC_PAD=1 << (cand.numel() - 1).bit_length())
+        assert out.tolist() == want, (t, out.tolist(), want)

@@ -53,8 +53,11 @@ def _cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _attend_tile(q, k_ptrs, v_ptrs, k_mask, v_mask, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) [G] [G] [G, Dv] with one tile of keys; returns the logits too."""
+    """Online-softmax update of (m_i, l_i, acc) [G] [G] [G, Dv] with one tile of keys; returns the logits too.
+    V is loaded together with K: where the loop is not software-pipelined (the selection programs), the two
+    loads then share one memory round trip."""
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -65,7 +68,6 @@ def _attend_tile(q, k_ptrs, v_ptrs, k_mask, v_mask, valid, m_i, l_i, acc, qk_sca
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
@@ -142,7 +144,6 @@ def _cmp_win_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
-    t = tl.load(POS + b).to(tl.int64)
     rg = tl.arange(0, BLOCK_G)
     rn = tl.arange(0, BLOCK_N)
     rdk = tl.arange(0, BLOCK_DK)
@@ -152,6 +153,7 @@ def _cmp_win_kernel(
     dv_ok = rdv < Dv
     q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
                 other=0.0)
+    t = tl.load(POS + b).to(tl.int64)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -214,7 +216,10 @@ def _score_topk_kernel(
     for o in tl.static_range(N_OFF):
         i = j * R_SEL - (R_CMP - 1) + o
         ok = g_ok[:, None] & ((i >= 0) & (i < n_vis))[None, :]
-        lg = tl.load(SCR + (bh * BLOCK_G + rg[:, None]) * NB + i[None, :], mask=ok, other=float("-inf"))
+        # Loaded within the scratch row, not only up to n_vis: the load then waits for nothing (t is read in
+        # parallel), and the logits past n_vis (stale) are dropped by the where.
+        inb = g_ok[:, None] & ((i >= 0) & (i < NB))[None, :]
+        lg = tl.load(SCR + (bh * BLOCK_G + rg[:, None]) * NB + i[None, :], mask=inb, other=float("-inf"))
         p = tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0)
         score += tl.sum(p, 0)
     tl.store(SCORES + bh * NJ + j, score, mask=j < NJ)
@@ -233,6 +238,35 @@ def _score_topk_kernel(
 
 
 @triton.jit
+def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+    """The selected blocks of one (b, KV head) [N_PAD]: the forced ones (first n_init, the n_local ending at
+    t // l') and the best of the chunks' candidates (the global top-n of the candidates is the top-n of the
+    chunks' top-n), ascending, -1 padded."""
+    jt = t // BLOCK_SEL
+    a = tl.minimum(jt + 1, N_INIT)  # forced blocks: [0, a) and [c0, jt]
+    c0 = tl.maximum(a, jt - N_LOCAL + 1)
+    n_forced = a + tl.maximum(jt - c0 + 1, 0)
+    need = N_SEL - n_forced
+    rk = tl.arange(0, N_PAD)
+    sel = tl.where(rk < a, rk.to(tl.int64), -1)
+    sel = tl.where((rk >= a) & (rk < n_forced), c0 + rk - a, sel)
+    # The best `need` candidates, one per round (keys are unique; -1 = none). Neither a rank-based merge
+    # (all pairs compared) nor four winners per round (a top-4 reduction) measured faster for the 272
+    # candidates of a 64k context: the selection program's time goes to its memory round trips.
+    rc = tl.arange(0, NC_PAD)
+    keys = tl.load(CAND + bh * n_cand + rc, mask=rc < n_cand, other=-1)
+    for r in range(0, need):
+        kmax = tl.max(keys, 0)
+        sel = tl.where((rk == n_forced + r) & (kmax >= 0), 2147483647 - (kmax & 4294967295), sel)
+        keys = tl.where(keys == kmax, -1, keys)
+    # ascending, -1 at the end: rank of each entry, then place it
+    sk = tl.where(sel >= 0, sel, 1073741824 + rk)
+    rank = tl.sum((sk[None, :] < sk[:, None]).to(tl.int32), 1)
+    return tl.sum(tl.where(rank[:, None] == rk[None, :], sel[:, None], 0), 0)
+
+
+@triton.jit
 def _sel_kernel(
     Q, POS, CAND, KSEL, VSEL, IDX, PM, PL, PACC,
     sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, n_cand, n_parts, part0, slots_per_prog, qk_scale,
@@ -244,31 +278,6 @@ def _sel_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
-    t = tl.load(POS + b).to(tl.int64)
-    jt = t // BLOCK_SEL
-    # forced blocks: [0, a) and [c0, jt]
-    a = tl.minimum(jt + 1, N_INIT)
-    c0 = tl.maximum(a, jt - N_LOCAL + 1)
-    n_forced = a + tl.maximum(jt - c0 + 1, 0)
-    need = N_SEL - n_forced
-    rk = tl.arange(0, N_PAD)
-    sel = tl.where(rk < a, rk.to(tl.int64), -1)
-    sel = tl.where((rk >= a) & (rk < n_forced), c0 + rk - a, sel)
-    # the best `need` of the chunks' candidates (keys unique: one removed per round)
-    rc = tl.arange(0, NC_PAD)
-    keys = tl.load(CAND + bh * n_cand + rc, mask=rc < n_cand, other=-1)
-    for r in tl.static_range(N_SEL):
-        kmax = tl.max(keys, 0)
-        take = (kmax >= 0) & (r < need)
-        sel = tl.where((rk == n_forced + r) & take, 2147483647 - (kmax & 4294967295), sel)
-        keys = tl.where(keys == kmax, -1, keys)
-    # ascending, -1 at the end: rank of each entry, then place it
-    sk = tl.where(sel >= 0, sel, 1073741824 + rk)
-    rank = tl.sum((sk[None, :] < sk[:, None]).to(tl.int32), 1)
-    srt = tl.sum(tl.where(rank[:, None] == rk[None, :], sel[:, None], 0), 0)
-    if sp == 0:
-        tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
-
     rg = tl.arange(0, BLOCK_G)
     rn = tl.arange(0, BLOCK_N)
     rdk = tl.arange(0, BLOCK_DK)
@@ -278,6 +287,13 @@ def _sel_kernel(
     dv_ok = rdv < Dv
     q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
                 other=0.0)
+    t = tl.load(POS + b).to(tl.int64)
+    # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
+    # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
+    srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
+    rk = tl.arange(0, N_PAD)
+    if sp == 0:
+        tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -297,29 +313,41 @@ def _sel_kernel(
 
 
 @triton.jit
-def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, rg, rdv, dv_ok, BLOCK_G: tl.constexpr, DV_TILE: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, PART_CHUNK: tl.constexpr):
-    """Softmax-merge partials [p0, p1) of one (b, KV head): the normalised output [G, DV_TILE] (0 if empty).
-    PART_CHUNK partials per iteration, loaded as one [chunk, G, DV_TILE] tile (a few iterations, not one per
-    partial)."""
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, DV_TILE], tl.float32)
-    for c0 in range(p0, p1, PART_CHUNK):
-        rp = c0 + tl.arange(0, PART_CHUNK)
-        ok = rp < p1
-        part = bh * n_parts + rp
-        m_p = tl.load(PM + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=float("-inf"))
-        l_p = tl.load(PL + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=0.0)
-        a_p = tl.load(PACC + (part[:, None, None] * BLOCK_G + rg[None, :, None]) * BLOCK_DV + rdv[None, None, :],
-                      mask=ok[:, None, None] & dv_ok[None, None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(m_p, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        beta = tl.exp2(m_p - m_safe[None, :])  # [chunk, G]; 0 for empty partials
-        lsum = lsum * alpha + tl.sum(l_p * beta, 0)
-        acc = acc * alpha[:, None] + tl.sum(a_p * beta[:, :, None], 0)
-        m = m_new
+def _load_parts(PM, PL, PACC, bh, n_parts, c0, p1, rg, rdv, dv_ok, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Partials [c0, min(c0 + CHUNK, p1)) of one (b, KV head): m, l [CHUNK, G] and acc [CHUNK, G, DV_TILE]."""
+    rp = c0 + tl.arange(0, CHUNK)
+    ok = rp < p1
+    part = bh * n_parts + rp
+    m_p = tl.load(PM + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=float("-inf"))
+    l_p = tl.load(PL + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=0.0)
+    a_p = tl.load(PACC + (part[:, None, None] * BLOCK_G + rg[None, :, None]) * BLOCK_DV + rdv[None, None, :],
+                  mask=ok[:, None, None] & dv_ok[None, None, :], other=0.0)
+    return m_p, l_p, a_p
+
+
+@triton.jit
+def _fold_parts(m, lsum, acc, m_p, l_p, a_p):
+    """Online-softmax fold of loaded partials into (m, lsum, acc); empty partials (m = -inf) add nothing."""
+    m_new = tl.maximum(m, tl.max(m_p, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    beta = tl.exp2(m_p - m_safe[None, :])  # [chunk, G]
+    lsum = lsum * alpha + tl.sum(l_p * beta, 0)
+    acc = acc * alpha[:, None] + tl.sum(a_p * beta[:, :, None], 0)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, m_p, l_p, a_p, rg, rdv, dv_ok, BLOCK_G: tl.constexpr,
+                 DV_TILE: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """Softmax-merge partials [p0, p1) of one (b, KV head), the first CHUNK of them already loaded (m_p, l_p,
+    a_p): the normalised output [G, DV_TILE] (0 if empty)."""
+    m, lsum, acc = _fold_parts(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+                               tl.zeros([BLOCK_G, DV_TILE], tl.float32), m_p, l_p, a_p)
+    for c0 in range(p0 + CHUNK, p1, CHUNK):
+        m_p, l_p, a_p = _load_parts(PM, PL, PACC, bh, n_parts, c0, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV, CHUNK)
+        m, lsum, acc = _fold_parts(m, lsum, acc, m_p, l_p, a_p)
     return acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
 
 
@@ -327,7 +355,8 @@ def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, rg, rdv, dv_ok, BLOCK_G: tl.
 def _combine_kernel(
     POS, SEQ, PM, PL, PACC, GATES, OUT,
     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
-    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, PART_CHUNK: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
+    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     dt = tl.program_id(1)
@@ -337,18 +366,26 @@ def _combine_kernel(
     rdv = dt * DV_TILE + tl.arange(0, DV_TILE)
     g_ok = rg < G
     dv_ok = rdv < Dv
-    p1 = n_cmp_parts + n_win_parts
-    o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
-                         PART_CHUNK)
-    o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
-                         PART_CHUNK)
-    o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, DV_TILE, BLOCK_DV,
-                         PART_CHUNK)
     heads = h * G + rg
     gp = GATES + b * sg_b + heads * sg_h
     g_cmp = tl.load(gp, mask=g_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(gp + sg_c, mask=g_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gp + 2 * sg_c, mask=g_ok, other=0.0).to(tl.float32)
+    p1 = n_cmp_parts + n_win_parts
+    # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
+    # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.
+    mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                             CHUNK_CMP)
+    mw, lw, aw = _load_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                             CHUNK_WIN)
+    ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                              CHUNK_SEL)
+    o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, mc, lc, ac, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
+                         BLOCK_DV, CHUNK_CMP)
+    o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, mw, lw, aw, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
+                         BLOCK_DV, CHUNK_WIN)
+    o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, ms, ls, as_, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
+                         BLOCK_DV, CHUNK_SEL)
     o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win
     tl.store(OUT + b * so_b + heads[:, None] * so_h + rdv[None, :], o.to(OUT.dtype.element_ty),
              mask=g_ok[:, None] & dv_ok[None, :])
@@ -361,13 +398,34 @@ def _combine_kernel(
 
 @dataclass(frozen=True)
 class Tuning:
-    """How the step is split. target_programs: programs per launch to aim for (default: 4 per SM);
-    block_n: keys per tile (default 64, 32 for head dims > 128); chunk_j: selection blocks per scoring
-    program (default: up to 64). Tests shrink them to exercise many splits on tiny shapes."""
+    """How the step is split and launched (None: the default).
+    target_programs: programs per launch to aim for (default: 4 per SM).
+    block_n: keys per tile (default 64, 32 for head dims > 128).
+    tiles_per_program: key tiles of every compressed and window program (default: from target_programs,
+        at least min_tiles).
+    min_tiles: the least key tiles per compressed / window program (default 3: one-tile programs left many
+        partials to merge; H100, paper heads: 8k x 8 38.9 -> 35.4 us, 64k x 1 29.0 -> 26.6 us per step).
+    chunk_j: selection blocks per scoring program (default: up to 64).
+    sel_splits: selection programs per (b, KV head) (default: about 2 per SM in all, at most n_sel).
+    dv_tile: output columns per combine program (default 8).
+    part_chunk: partials per combine load and branch (default 256 / padded G).
+    warps_*: warps of each kernel; stages_cmp: pipeline depth of the compressed/window loop (default 2,
+        fewer where shared memory is short).
+    Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
     block_n: int | None = None
     chunk_j: int | None = None
+    dv_tile: int | None = None
+    warps_cmp: int = 4
+    warps_score: int = 4
+    warps_sel: int = 4
+    warps_combine: int = 4
+    stages_cmp: int | None = None
+    part_chunk: int | None = None
+    sel_splits: int | None = None
+    tiles_per_program: int | None = None
+    min_tiles: int = 3
 
 
 TUNING = Tuning()
@@ -397,14 +455,20 @@ class DecodeWorkspace:
         per_bh = max(1, _cdiv(target, BH))
         bn = self.BLOCK_N
         NB = cache.cmp_capacity
-        n_split = min(per_bh, _cdiv(NB, bn))
-        self.blocks_per_split = _cdiv(_cdiv(NB, n_split), bn) * bn
-        self.n_split_cmp = _cdiv(NB, self.blocks_per_split)
         W = cache.window_slots
-        n_split = min(per_bh, _cdiv(W, bn))
-        self.slots_per_split = _cdiv(_cdiv(W, n_split), bn) * bn
+        if tuning.tiles_per_program:  # every compressed and window program the same work: no long stragglers
+            self.blocks_per_split = self.slots_per_split = tuning.tiles_per_program * bn
+        else:  # about target_programs in all, at least min_tiles tiles each
+            n_split = min(per_bh, _cdiv(NB, bn))
+            self.blocks_per_split = max(_cdiv(_cdiv(NB, n_split), bn), tuning.min_tiles) * bn
+            n_split = min(per_bh, _cdiv(W, bn))
+            self.slots_per_split = max(_cdiv(_cdiv(W, n_split), bn), tuning.min_tiles) * bn
+        self.n_split_cmp = _cdiv(NB, self.blocks_per_split)
         self.n_split_win = _cdiv(W, self.slots_per_split)
-        self.slots_per_prog = _cdiv(cfg.n_sel, min(per_bh, cfg.n_sel))
+        # Selection: about 2 programs per SM (each merges the candidates itself, so fewer, longer programs
+        # measured faster than the 4 per SM of the other branches).
+        sel_splits = tuning.sel_splits or max(1, _cdiv(target // 2, BH))
+        self.slots_per_prog = _cdiv(cfg.n_sel, min(sel_splits, cfg.n_sel))
         self.n_split_sel = _cdiv(cfg.n_sel, self.slots_per_prog)
         self.n_parts = self.n_split_cmp + self.n_split_win + self.n_split_sel
         self.NJ = cfg.n_sel_blocks(cache.max_len)
@@ -420,12 +484,19 @@ class DecodeWorkspace:
         self.NC_PAD = _np2(self.n_cand)
         self.SPLIT_PAD = _np2(self.n_split_cmp)
         self.BLOCK_L = _np2(cfg.block_cmp)
-        self.DV_TILE = min(16, self.BLOCK_DV)  # more combine programs: the merge is latency-bound
-        self.PART_CHUNK = 32 if self.BLOCK_G <= 16 else 16  # [chunk, G, DV_TILE] fp32 tile per merge iteration
+        # Combine: many programs (the merge is latency-bound), each loading [chunk, G, DV_TILE] fp32 tiles of
+        # partials, one per branch, at most part_chunk partials (default 16 x 16 / padded G) per load. Wider
+        # tiles (32 x 16 x 16) spilled registers and ran twice as long.
+        self.DV_TILE = min(tuning.dv_tile or 8, self.BLOCK_DV)
+        cap = tuning.part_chunk or max(1, 256 // self.BLOCK_G)
+        self.CHUNK_CMP, self.CHUNK_WIN, self.CHUNK_SEL = (
+            max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
+        self.tuning = tuning
         if device.type == "cuda":
             smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
             kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
-            self.stages_cmp = _stages(self.BLOCK_N * kv_row, smem, low)
+            # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
+            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low))
             self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
@@ -513,14 +584,15 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
         ws.n_parts, qk_scale,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
-        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **_launch_opts(device, 4, ws, "stages_cmp"),
+        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee,
+        **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp"),
     )
     _score_topk_kernel[(ws.n_chunks, BH)](
         ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
         Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
         N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
-        SPLIT_PAD=ws.SPLIT_PAD, **_launch_opts(device, 4),
+        SPLIT_PAD=ws.SPLIT_PAD, **_launch_opts(device, ws.tuning.warps_score),
     )
     _sel_kernel[(ws.n_split_sel, BH)](
         q, ws.pos, ws.cand, cache.k_sel, cache.v_sel, idx, ws.pm, ws.pl, ws.pacc,
@@ -528,14 +600,15 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.slots_per_prog, qk_scale,
         BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
         NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
-        IEEE=ieee, **_launch_opts(device, 4, ws, "stages_sel"),
+        IEEE=ieee, **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel"),
     )
     _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
         ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,
         gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
         ws.n_split_cmp, ws.n_split_win,
-        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, PART_CHUNK=ws.PART_CHUNK,
-        **_launch_opts(device, 4),
+        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN,
+        CHUNK_SEL=ws.CHUNK_SEL,
+        **_launch_opts(device, ws.tuning.warps_combine),
     )
     return out, idx
 

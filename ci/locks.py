@@ -3,7 +3,8 @@
     python -m ci.locks                    # relock every cell, requirements/bootstrap.txt and locks/tools.txt
     python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools")
     python -m ci.locks --check            # offline: fail when any lock is stale or malformed
-    (`nox -s lock` and `nox -s lock -- --check` run exactly these.)
+    python -m ci.locks --outdated         # ask PyPI what is newer than the matrix (ci/outdated.py)
+    (`nox -s lock`, `nox -s lock -- --check` and `nox -s lock -- --outdated` run exactly these.)
 
 How a cell lock is made: `uv pip compile` cross-resolves the cell's layers (requirements/<layer>.in,
 matrix `defaults.layers`, plus `source_build_layers` for cells that build flash-attn) together with the
@@ -503,8 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.locks", description=__doc__.split("\n\n")[0])
     ap.add_argument("targets", nargs="*", help="cell ids, 'bootstrap', 'tools' (default: all)")
     ap.add_argument("--check", action="store_true", help="fail if any lock is stale (offline)")
+    ap.add_argument("--outdated", action="store_true",
+                    help="ask PyPI what is newer than the matrix and the tool locks (exit 1 when anything is)")
     ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
     args = ap.parse_args(argv)
+    if args.outdated:
+        from ci import outdated  # noqa: PLC0415 - network code only this option needs
+
+        return outdated.main(["--matrix", str(args.matrix)])
     try:
         matrix = load(args.matrix)
     except MatrixError as e:

@@ -144,7 +144,7 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
         # A file of the set is named after the cell and given relative to its folder: nsa.env reads the build
         # variant (cu130) from the name's start, so that a +cu130 torch is not counted as drift.
         cwd = run.path if expected != cell else ROOT
-        child = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)}
+        child = {**env, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)}
         p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], cwd=cwd, env=child,
                            capture_output=True, text=True, timeout=300)
         check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}

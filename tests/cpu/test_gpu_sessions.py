@@ -145,4 +145,5 @@ def test_the_lock_check_expects_the_flash_attn_pin_where_flash_attn_is_installed
     assert "torch==2.12.1" in text and "flash-attn==2.8.3.post2" in text
     assert S.expected_set("cu130-torch2.14-py312", {"flash_attn": {"installed": True}}, tmp_path) == \
         "cu130-torch2.14-py312"  # no flash-attn pin for that cell
-    assert S.expected_set("cu999-torch9.9-py399", {"flash_attn": {"installed": True}}, tmp_path) == "cu999-torch9.9-py399"
+    unknown = "cu999-torch9.9-py399"
+    assert S.expected_set(unknown, {"flash_attn": {"installed": True}}, tmp_path) == unknown

@@ -73,9 +73,13 @@ def final_releases(doc: dict[str, Any]) -> list[Version]:
 
 
 def _files(doc: dict[str, Any], version: Version) -> list[dict[str, Any]]:
+    """The files of a release that are not yanked."""
     for raw, files in doc.get("releases", {}).items():
-        if Version(raw) == version:
-            return [f for f in files if not f.get("yanked")]
+        try:
+            if Version(raw) == version:
+                return [f for f in files if not f.get("yanked")]
+        except InvalidVersion:
+            continue
     return []
 
 

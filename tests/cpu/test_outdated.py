@@ -112,6 +112,7 @@ def test_prereleases_and_yanked_releases_do_not_count():
     doc = {"releases": {"1.0": [{"yanked": False}], "1.1rc1": [{"yanked": False}], "1.2": [{"yanked": True}],
                         "1.3.dev0": [{}], "nonsense version": [{}], "0.9": []}}
     assert O.final_releases(doc) == [mx.Version("1.0")]
+    assert O._files(doc, mx.Version("1.0")) == [{"yanked": False}] and O._files(doc, mx.Version("1.2")) == []
 
 
 def test_unreachable_pypi_exits_2(capsys):

@@ -194,9 +194,14 @@ def flash_wheel_published(
     if rel is None:
         known = ", ".join(sorted(upstream.get("flash_attn", {}))) or "none"
         return False, f"flash-attn {version} is not in [upstream.flash_attn] (known: {known})"
-    if rel.get("wheels_unknown"):
-        return False, f"flash-attn {version}'s upstream wheels are not recorded ({rel['wheels_unknown']})"
     wanted = {"torch": torch_mm, "cuda_major": cuda_major, "python": python, "cxx11abi": cxx11abi}
+    if rel.get("wheels_unknown"):
+        # The full set is unknown; single wheels may have been seen (or seen missing) elsewhere.
+        if wanted in rel.get("wheels_seen", []):
+            return True, ""
+        seen = "seen missing" if wanted in rel.get("wheels_missing", []) else "not among the wheels seen"
+        return False, (f"flash-attn {version}'s upstream wheel set is not recorded ({rel['wheels_unknown']}); "
+                       f"torch {torch_mm} / CUDA {cuda_major} / CPython {python} / cxx11abi={cxx11abi} is {seen}")
     if any(all(wanted.get(k) == v for k, v in inc.items()) for inc in rel.get("include", [])):
         return True, ""
     for key, value, label in (
@@ -473,6 +478,24 @@ def _validate_flash(cell: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> 
     return p
 
 
+WHEEL_KEYS = {"torch": str, "cuda_major": str, "python": str, "cxx11abi": bool}
+
+
+def _validate_wheel_lists(version: str, rel: dict[str, Any]) -> list[str]:
+    """wheels_seen / wheels_missing of a flash-attn release: whole wheel descriptions, in one list at most."""
+    p, w = [], f"upstream.flash_attn.{version}"
+    for key in ("wheels_seen", "wheels_missing"):
+        for entry in rel.get(key, []):
+            if not isinstance(entry, dict) or set(entry) != set(WHEEL_KEYS) or not all(
+                    isinstance(entry[k], t) for k, t in WHEEL_KEYS.items()):
+                p.append(f"{w}: {key} entry {entry!r} must have exactly torch, cuda_major, python (strings) "
+                         "and cxx11abi (true/false)")
+    both = [e for e in rel.get("wheels_seen", []) if e in rel.get("wheels_missing", [])]
+    if both:
+        p.append(f"{w}: {both} are both in wheels_seen and wheels_missing")
+    return p
+
+
 def validate(matrix: Matrix) -> list[str]:
     problems: list[str] = []
     seen: set[str] = set()
@@ -485,6 +508,8 @@ def validate(matrix: Matrix) -> list[str]:
         extra = set(rel.get("cuda_experimental", [])) - set(rel.get("cuda", []))
         if extra:
             problems.append(f"upstream.torch.{version}: cuda_experimental {sorted(extra)} not in its cuda list")
+    for version, rel in matrix.upstream.get("flash_attn", {}).items():
+        problems.extend(_validate_wheel_lists(version, rel))
     for py, cell_id in matrix.quickstart.items():
         cell = next((c for c in matrix.cells if c.id == cell_id), None)
         if cell is None or cell.python != py:

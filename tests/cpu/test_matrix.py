@@ -206,7 +206,7 @@ def test_flash_wheel_needs_its_sha256_and_a_known_wheel_set(data):
     assert "pin the source package instead" in _problems(_with_cell(data, "cu128-torch2.8-py311", flash_attn=fa))
     fa = {"version": "2.8.3.post2", "source": "wheel", "sha256": "a" * 64,
           "wheel": "flash_attn-2.8.3.post2+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"}
-    assert "upstream wheels are not recorded" in _problems(_with_cell(data, "cu128-torch2.8-py311", flash_attn=fa))
+    assert "upstream wheel set is not recorded" in _problems(_with_cell(data, "cu128-torch2.8-py311", flash_attn=fa))
 
 
 def test_flash_release_facts():
@@ -216,6 +216,35 @@ def test_flash_release_facts():
     assert mx.flash_wheel_published(up, "2.8.3", "2.9", "12", "3.12", True) == (True, "")  # `include`
     assert not mx.flash_wheel_published(up, "2.8.3", "2.9", "12", "3.12", False)[0]
     assert "not recorded" in mx.flash_wheel_published(up, "2.8.3.post2", "2.13", "13", "3.12", True)[1]
+
+
+# --- flash-attn wheels seen (or seen missing) of a release whose wheel set is unknown -----------------------
+
+
+def test_single_wheels_of_an_unknown_set(data):
+    up = mx.load().upstream
+    assert mx.flash_wheel_published(up, "2.8.3.post1", "2.8", "12", "3.12", False) == (True, "")
+    assert "is seen missing" in mx.flash_wheel_published(up, "2.8.3.post1", "2.11", "13", "3.12", True)[1]
+    assert "not among the wheels seen" in mx.flash_wheel_published(up, "2.8.3.post1", "2.13", "13", "3.12", True)[1]
+    # a seen wheel can be pinned (with its sha256) by a cell of that torch / CUDA / Python / ABI
+    fa = {"version": "2.8.3.post1", "source": "wheel", "sha256": "c" * 64,
+          "wheel": "flash_attn-2.8.3.post1+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"}
+    d = copy.deepcopy(data)
+    next(c for c in d["cell"] if c["id"] == "cu128-torch2.8-py311")["flash_attn"] = fa
+    assert mx.parse(d).get("cu128-torch2.8-py311").flash_attn.version == "2.8.3.post1"
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"torch": "2.8", "cuda_major": "12", "python": "3.12"}, "must have exactly torch, cuda_major, python"),
+    ({"torch": "2.8", "cuda_major": 12, "python": "3.12", "cxx11abi": True}, "must have exactly"),
+    ({"torch": "2.11", "cuda_major": "13", "python": "3.12", "cxx11abi": True},
+     "both in wheels_seen and wheels_missing"),
+])
+def test_bad_wheel_lists_are_rejected(data, entry, problem):
+    d = copy.deepcopy(data)
+    d["upstream"]["flash_attn"]["2.8.3.post1"]["wheels_seen"].append(entry)
+    with pytest.raises(mx.MatrixError, match=problem):
+        mx.parse(d)
 
 
 def test_experimental_cuda_must_be_a_published_variant(data):

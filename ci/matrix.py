@@ -2,14 +2,16 @@
 
     python -m ci.matrix validate            # exit 1 and list every problem if a cell cannot exist
     python -m ci.matrix list                # one line per cell
-    python -m ci.matrix show CELL [--json]  # one cell: package index, flash-attn wheel URL (or why none)
+    python -m ci.matrix show CELL [--json]  # one cell: package index, flash-attn pin, and why (upstream facts)
+    python -m ci.matrix table [--write]     # the Markdown table of README.md and docs/environments.md
 
 Validation encodes what upstream publishes ([upstream.*] tables of the file) and rejects: a triton outside
 the pin of torch's metadata (exact up to torch 2.13, a range such as `~=3.8.0` from 2.14; compared with
 packaging's SpecifierSet), a Python or CUDA torch publishes no wheel for, a torch build the cell's package
 index does not carry, a flash-attn wheel upstream does not publish (or a wheel name that does not follow
-its naming scheme, or one without its sha256), a flash-attn that cannot compile against the torch (C++
-standard), a GPU cell without flash-attn for no stated reason, GPU architectures the CUDA toolkit cannot
+its naming scheme, or one without its sha256; of a release whose wheel set is unknown, a wheel not seen in
+use, and malformed `wheels_seen` / `wheels_missing` entries), a flash-attn that cannot compile against the
+torch (C++ standard), a GPU cell without flash-attn for no stated reason, GPU architectures the CUDA toolkit cannot
 build, a build stage that cannot compile flash-attn or whose OS differs from the run stage's, and ids that
 do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
 To add a field: add it to Cell (with a default), read it in _parse_cell, check it in validate_cell.
@@ -526,8 +528,16 @@ def validate(matrix: Matrix) -> list[str]:
 
 
 def describe(m: Matrix, c: Cell) -> dict[str, Any]:
+    """The cell, where its packages come from, and `why`: the upstream facts behind each of its choices."""
+    from ci.matrix_explain import explain  # it imports this module
+
     return {**c.to_json(), "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c),
-            "flash_attn_none": m.flash_none_reason(c)}
+            "flash_attn_none": m.flash_none_reason(c), "why": explain(m, c)}
+
+
+def _show_text(d: dict[str, Any]) -> str:
+    why = d.pop("why")
+    return "\n".join([*(f"{k:14} {v}" for k, v in d.items()), "why:", *(f"  {k:12} {v}" for k, v in why.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("show", help="one cell")
     sh.add_argument("cell")
     sh.add_argument("--json", action="store_true")
+    tb = sub.add_parser("table", help="the matrix as the Markdown table of README.md and docs/environments.md")
+    tb.add_argument("--write", action="store_true", help="update the table in those documents")
     args = ap.parse_args(argv)
     try:
         m = load(args.matrix)
@@ -552,9 +564,16 @@ def main(argv: list[str] | None = None) -> int:
                 cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
                 qs = f"  Quick start for {quick[c.id]}" if c.id in quick else ""
                 print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}{qs}")
+        elif args.cmd == "table":
+            from ci.matrix_explain import table, write_tables
+
+            if args.write:
+                print("\n".join(f"updated {p}" for p in write_tables(m)) or "the tables are up to date")
+            else:
+                print(table(m))
         else:
             d = describe(m, m.get(args.cell))
-            print(json.dumps(d, indent=2) if args.json else "\n".join(f"{k:14} {v}" for k, v in d.items()))
+            print(json.dumps(d, indent=2) if args.json else _show_text(d))
     except MatrixError as e:
         print(e, file=sys.stderr)
         return 1

@@ -8,15 +8,8 @@
 # held-to cells first, <= 200 s); summary.txt (results and the figures the step is held to). About 7 minutes
 # typically, 10 at most. Exit status: non-zero when any part failed; every part runs regardless.
 set -uo pipefail
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT/bench"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
-rc=0
-
-$PY -m nsa.env --json > "$OUT/env.json" 2> "$OUT/env.err" || echo "nsa.env failed (see env.err)"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+# shellcheck source=bench/gpu_run_common.sh
+source "$(dirname "$0")/gpu_run_common.sh"
 
 echo "== GPU tests (decode) =="
 timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \

@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
-# The one GPU run of issue 4 (FA-2 fast paths). From the repo root on the GPU machine:
+# The GPU run of the FA-2 fast paths. From the repo root on the GPU machine:
 #     OUT=/some/dir bash bench/gpu_fa2_run.sh
 # Writes to $OUT: env.json, pytest_fa2.log + junit_fa2.xml (GPU tests), sanitizer.log (compute-sanitizer
 # memcheck over the edge sweep), bench/bench_fa2.{csv,json} + bench.log, fa2_thresholds.json (derived),
 # summary.txt. Budget: tests <= 240 s, sanitizer <= 150 s, bench <= 200 s of sweep (+ startup).
 # Exit status: non-zero when any part failed; every part runs regardless.
 set -uo pipefail
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT/bench"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
-rc=0
-
-$PY -m nsa.env --json > "$OUT/env.json" 2> "$OUT/env.err" || echo "nsa.env failed (see env.err)"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+# shellcheck source=bench/gpu_run_common.sh
+source "$(dirname "$0")/gpu_run_common.sh"
 
 echo "== GPU tests (FA-2) =="
 NSA_TEST_FA2=1 timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \

@@ -6,15 +6,9 @@
 # pytest_nsa.log + junit_nsa.xml, sanitizer.log, bench/ (bench_nsa.csv, _breakdown.csv, .json, .png) and
 # bench.log. Exit status non-zero when any part failed; every selected part runs regardless.
 set -uo pipefail
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT/bench"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
+# shellcheck source=bench/gpu_run_common.sh
+source "$(dirname "$0")/gpu_run_common.sh"
 PARTS=${PARTS:-"tests sanitizer bench"}
-rc=0
-$PY -m nsa.env --json > "$OUT/env.json" 2> "$OUT/env.err" || echo "nsa.env failed (see env.err)"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 for part in $PARTS; do
   case $part in
     tests)

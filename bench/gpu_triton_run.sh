@@ -8,16 +8,10 @@
 # under a 10-minute limit: `SKIP=bench` then `SKIP=tests,sanitizer BENCH_S=540`.
 # Exit status: non-zero when any part failed; every part runs regardless.
 set -uo pipefail
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT/bench"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
+# shellcheck source=bench/gpu_run_common.sh
+source "$(dirname "$0")/gpu_run_common.sh"
 TESTS_S=${TESTS_S:-420}; SANITIZER_S=${SANITIZER_S:-120}; BENCH_S=${BENCH_S:-120}; SKIP=${SKIP:-}
 rc=0; tests_rc=skipped; san_rc=skipped; bench_rc=skipped
-
-$PY -m nsa.env --json > "$OUT/env.json" 2> "$OUT/env.err" || echo "nsa.env failed (see env.err)"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 if [[ ",$SKIP," != *,tests,* ]]; then
     echo "== GPU tests (Triton selection) =="

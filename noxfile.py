@@ -40,9 +40,11 @@ def cpu_smoke(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lock(session: nox.Session) -> None:
-    """Regenerate the hash-pinned locks from requirements/*.in and matrix.toml (all, or `-- CELL ...`).
+    """Regenerate the hash-pinned locks from requirements/*.in and matrix.toml (all, or `-- CELL ...`), with
+    each GPU cell's flash-attn pin.
 
     `-- --check` fails when any lock is stale (offline: compares the inputs' digest in each lock header).
+    `-- --outdated` asks PyPI what is newer than the matrix and the tool locks (exit 1 when anything is).
     Runs in nox's own interpreter, which has uv and packaging (requirements/bootstrap.txt).
     """
     session.run(sys.executable, "-m", "ci.locks", *session.posargs)

@@ -6,7 +6,8 @@
 The doctor runs where no checkout exists (an installed wheel), so the facts travel inside the package.
 They are the matrix's [upstream.*] tables, the flash-attn release wheels spelled out one by one (with
 ci.matrix's own naming and publication rules, so nsa has no second copy of them) and a summary of the
-cells.
+cells. A flash-attn release whose wheel set the matrix does not know (`wheels_unknown`) is listed apart,
+under `flash_attn_unlisted`: in `flash_attn` the doctor would read it as a release without wheels.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ SCHEMA = 1
 
 def _flash_wheels(up: dict[str, Any], version: str) -> list[dict[str, Any]]:
     rel = up["flash_attn"][version]
+    combos = [*itertools.product(rel["torch"], rel["cuda_major"], rel["python"], rel["cxx11abi"]),
+              *((i["torch"], i["cuda_major"], i["python"], i["cxx11abi"]) for i in rel.get("include", []))]
     out = []
-    for torch_mm, cuda_major, python, abi in itertools.product(
-        rel["torch"], rel["cuda_major"], rel["python"], rel["cxx11abi"]
-    ):
+    for torch_mm, cuda_major, python, abi in combos:
         if flash_wheel_published(up, version, torch_mm, cuda_major, python, abi)[0]:
             wheel = flash_wheel_name(version, cuda_major, torch_mm, abi, python)
             out.append({"torch": torch_mm, "cuda_major": cuda_major, "python": python, "cxx11abi": abi,
@@ -40,10 +41,13 @@ def _flash_wheels(up: dict[str, Any], version: str) -> list[dict[str, Any]]:
 def build(matrix: Matrix) -> dict[str, Any]:
     """The package data for this matrix (a pure function of it: the sync test compares the two)."""
     up = matrix.upstream
+    releases = up.get("flash_attn", {})
     flash = {
-        version: {**{k: v for k, v in rel.items() if k != "url"}, "wheels": _flash_wheels(up, version)}
-        for version, rel in up.get("flash_attn", {}).items()
+        version: {**{k: v for k, v in rel.items() if k not in ("url", "include")}, "wheels": _flash_wheels(up, version)}
+        for version, rel in releases.items() if not rel.get("wheels_unknown")
     }
+    unlisted = {version: {k: v for k, v in rel.items() if k != "url"}
+                for version, rel in releases.items() if rel.get("wheels_unknown")}
     cells = [
         {"id": c.id, "python": c.python, "cuda": c.cuda, "torch": c.torch, "flash_attn": c.flash_attn.source}
         for c in matrix.cells
@@ -56,6 +60,7 @@ def build(matrix: Matrix) -> dict[str, Any]:
         "driver": up.get("driver", {}),
         "triton": up.get("triton", {}),
         "flash_attn": flash,
+        "flash_attn_unlisted": unlisted,
         "flash_attn_build": up.get("flash_attn_build", {}),
         "cells": cells,
     }

@@ -140,7 +140,12 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
         run.state["env"].update(gpus=gpu_info["names"], gpu=gpu_info["names"][0], gpu_count=len(gpu_info["names"]))
     check = None
     try:
-        p = subprocess.run([python, "-m", "nsa.env", "--check-lock", cell, "--json"], cwd=ROOT, env=env,
+        expected = expected_set(cell, report, run.path)
+        # A file of the set is named after the cell and given relative to its folder: nsa.env reads the build
+        # variant (cu130) from the name's start, so that a +cu130 torch is not counted as drift.
+        cwd = run.path if expected != cell else ROOT
+        child = {**env, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)}
+        p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], cwd=cwd, env=child,
                            capture_output=True, text=True, timeout=300)
         check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
@@ -153,6 +158,24 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
     run.save()
     log(f"artifacts: {run.path}")
     return Ctx(python=python, opts=opts, env=env, run=run, gpus=max(1, int(gpu_info.get("count", 1))), log=log)
+
+
+def expected_set(cell: str, report: dict, run_dir: Path) -> str:
+    """What --check-lock compares the environment with: the cell's lock, plus its flash-attn pin where
+    flash-attn is installed (the file run_dir/<cell>.expected.txt, returned by name); the cell id otherwise."""
+    from ci.locks import flash_lock_path, lock_path
+    from ci.matrix import MatrixError, load
+
+    try:
+        matrix = load()
+        pin = flash_lock_path(matrix, cell)
+        if not (report.get("flash_attn") or {}).get("installed") or not pin.exists():
+            return cell
+        out = run_dir / f"{cell}.expected.txt"
+        out.write_text(lock_path(matrix, cell).read_text() + pin.read_text())
+        return out.name
+    except (MatrixError, OSError):  # an unknown cell or a missing lock: --check-lock reports it
+        return cell
 
 
 # --- suites --------------------------------------------------------------------------------------------
@@ -426,7 +449,7 @@ def nox_entry(session, name: str) -> None:
     if passthrough:
         python = sys.executable
     else:
-        install_cell(session)
+        install_cell(session, flash_attn=True)
         python = str(Path(session.virtualenv.bin) / "python")
     env = dict(os.environ)
     for key, value in (session.env or {}).items():  # nox marks variables to unset with None

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ci.locks import LockError, download_wheels, lock_path, parse_lock
+from ci.locks import LockError, download_wheels, flash_lock_path, lock_path, parse_lock
 from ci.matrix import Cell, Matrix, MatrixError, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,13 +41,6 @@ WHEELHOUSE = ROOT / "docker" / "wheelhouse"
 DEFAULT_REGISTRY = os.environ.get("NSA_IMAGE_REGISTRY", "ghcr.io/nsa-project")
 DEFAULT_NAME = os.environ.get("NSA_IMAGE_NAME", "nsa")
 CPU_SIZE_LIMIT = 1_500_000_000  # bytes: the CPU runtime image must stay at or below 1.5 GB
-
-# sha256 of flash-attn's source package on PyPI, for cells that compile it (matrix source = "source").
-# Read with pip's own hash check (`pip download --no-deps --require-hashes` against a wrong hash prints
-# the real one). A matrix entry `[upstream.flash_attn."X".sdist_sha256]` takes precedence.
-FLASH_ATTN_SDIST_SHA256: dict[str, str] = {
-    "2.8.3": "1e71dd64a9e0280e0447b8a0c2541bad4bf6ac65bdeaa2f90e51a9e57de0370d",
-}
 
 # Removed from CPU images (Dockerfile ARG PRUNE, relative to site-packages): Triton's CUDA toolchain and AMD
 # libraries (the interpreter, TRITON_INTERPRET=1, uses neither) and torch's C++ test binaries: ~290 MB.
@@ -202,20 +195,18 @@ def make_plan(
         args["PRUNE"] = " ".join(CPU_PRUNE)
     else:
         args["GPU_ARCHS"] = args["TORCH_CUDA_ARCH_LIST"] = ";".join(sorted(cell.gpu_archs, key=float))
-    pinned = "none" if flash_attn else "left out of this build (--without-flash-attn)"
-    if fa_source == "wheel" and "flash-attn" in locked:
-        pinned = "wheel by URL and sha256 in the lock"
-    elif fa_source == "wheel":
-        args["FLASH_ATTN_WHEEL_URL"] = matrix.flash_wheel_url(cell)
-        pinned = "wheel by URL only: sha256 not recorded in matrix.toml yet (the build prints it)"
-    elif fa_source == "source":
-        sdist = str((matrix.upstream.get("flash_attn", {}).get(fa.version) or {}).get("sdist_sha256") or "")
-        sdist = sdist or FLASH_ATTN_SDIST_SHA256.get(fa.version, "")
-        if not sdist:
-            raise ImageError(f"cell {cell.id}: no sha256 known for the flash-attn {fa.version} source package")
-        args["FLASH_ATTN_SDIST_SHA256"] = sdist
-        args["MAX_JOBS"] = str(max_jobs)
-        pinned = f"compiled in the image from flash_attn-{fa.version}.tar.gz (sha256 {sdist[:12]}...)"
+    if not flash_attn:
+        pinned = "left out of this build (--without-flash-attn)"
+    elif fa_source == "none":
+        pinned = matrix.flash_none_reason(cell)
+    else:
+        pin = flash_lock_path(matrix, cell.id).name
+        if fa_source == "wheel":
+            pinned = f"upstream wheel by URL and sha256 ({pin})"
+        else:
+            sdist = matrix.flash_sdist_sha256(fa.version)
+            args["MAX_JOBS"] = str(max_jobs)
+            pinned = f"compiled in the image from flash_attn-{fa.version}.tar.gz (sha256 {sdist[:12]}..., {pin})"
     labels = {
         "org.opencontainers.image.source": args["SOURCE_URL"],
         "org.opencontainers.image.revision": rev,
@@ -311,12 +302,12 @@ def wheelhouse(matrix: Matrix, plan: ImagePlan, dest: Path, only: set[str] | Non
     download_wheels(matrix, matrix.get(plan.cell), dest, index, only)
     if only is not None:
         return sorted(dest.glob("*.whl"))
-    base = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--progress-bar", "off", "-d", str(dest)]
-    if url := plan.build_args.get("FLASH_ATTN_WHEEL_URL"):
-        run([*base, "--only-binary=:all:", "--python-version", plan.python.replace(".", ""), "--platform",
-             "linux_x86_64", url])
+    if plan.flash_attn_source == "wheel":
+        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--progress-bar", "off", "--require-hashes",
+             "--only-binary=:all:", "--python-version", plan.python.replace(".", ""), "--platform", "linux_x86_64",
+             "-d", str(dest), "-r", str(flash_lock_path(matrix, plan.cell))])
     if plan.flash_attn_source == "source":
-        fetch_sdist("flash-attn", plan.flash_attn_version, plan.build_args["FLASH_ATTN_SDIST_SHA256"], dest)
+        fetch_sdist("flash-attn", plan.flash_attn_version, matrix.flash_sdist_sha256(plan.flash_attn_version), dest)
     return sorted(dest.glob("*.whl"))
 
 

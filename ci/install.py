@@ -2,7 +2,9 @@
 
 The cell is NSA_CELL, else the Quick-start cell of the session's Python (requirements/matrix.toml,
 [defaults.quickstart]). A Python without one, or a cell locked for another Python, stops the session with
-a message naming the cell or the Python to use.
+a message naming the cell or the Python to use. The GPU sessions also install the cell's flash-attn pin
+(requirements/locks/<cell>.flash-attn.txt: a wheel, or the source package compiled with nvcc here);
+NSA_FLASH_ATTN=0 leaves it out, and says so.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 
 from packaging.version import Version
 
-from ci.locks import lock_path
+from ci.locks import flash_install_args, flash_lock_path, lock_path
 from ci.matrix import Cell, Matrix, load
 
 
@@ -50,9 +52,10 @@ def pip_args(matrix: Matrix, cell: Cell) -> list[str]:
     return ["--require-hashes", "--no-deps", *matrix.pip_index_args(cell), "-r", str(lock_path(matrix, cell.id))]
 
 
-def install_cell(session) -> Cell | None:
-    """Install the session's cell exactly (hashes, no resolver), then this project without dependencies;
-    exports NSA_CELL. With --no-venv nothing is installed: the interpreter is assumed prepared."""
+def install_cell(session, flash_attn: bool = False) -> Cell | None:
+    """Install the session's cell exactly (hashes, no resolver), with `flash_attn` its flash-attn pin, then
+    this project without dependencies; exports NSA_CELL. With --no-venv nothing is installed: the
+    interpreter is assumed prepared."""
     import nox
 
     if isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
@@ -69,6 +72,25 @@ def install_cell(session) -> Cell | None:
         session.error(f"no lock for cell {cell.id}: run `nox -s lock -- {cell.id}`")
     session.log(f"cell {cell.id} (Python {cell.python}, torch {cell.torch})")
     session.install(*pip_args(matrix, cell))
+    if flash_attn:
+        install_flash_attn(session, matrix, cell)
     session.install("--no-deps", "--no-build-isolation", "-e", ".")
     session.env["NSA_CELL"] = cell.id
     return cell
+
+
+def install_flash_attn(session, matrix: Matrix, cell: Cell) -> None:
+    """The cell's flash-attn pin, after its lock; a cell without one, or NSA_FLASH_ATTN=0, is logged."""
+    if cell.flash_attn.source == "none":
+        session.log(f"flash-attn: none in cell {cell.id} ({matrix.flash_none_reason(cell)})")
+        return
+    if os.environ.get("NSA_FLASH_ATTN", "1") == "0":
+        session.warn(f"flash-attn: left out (NSA_FLASH_ATTN=0): the flash_attn backend's tests skip in cell {cell.id}")
+        return
+    if not flash_lock_path(matrix, cell.id).exists():
+        session.error(f"no flash-attn pin for cell {cell.id}: run `nox -s lock -- {cell.id}`")
+    args, env = flash_install_args(matrix, cell)
+    if cell.flash_attn.source == "source":
+        session.log(f"flash-attn {cell.flash_attn.version}: compiling the pinned source package (nvcc of CUDA "
+                    f"{cell.cuda}; MAX_JOBS bounds memory; NSA_FLASH_ATTN=0 skips it)")
+    session.install(*args, env=env)

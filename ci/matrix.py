@@ -2,13 +2,18 @@
 
     python -m ci.matrix validate            # exit 1 and list every problem if a cell cannot exist
     python -m ci.matrix list                # one line per cell
-    python -m ci.matrix show CELL [--json]  # one cell, with its package index and flash-attn wheel URL
+    python -m ci.matrix show CELL [--json]  # one cell: package index, flash-attn pin, and why (upstream facts)
+    python -m ci.matrix table [--write]     # the Markdown table of README.md and docs/environments.md
 
-Validation encodes what upstream publishes ([upstream.*] tables of the file) and rejects: a triton other
-than the one torch pins, a Python or CUDA torch publishes no wheel for, a torch build the cell's package
+Validation encodes what upstream publishes ([upstream.*] tables of the file) and rejects: a triton outside
+the pin of torch's metadata (exact up to torch 2.13, a range such as `~=3.8.0` from 2.14; compared with
+packaging's SpecifierSet), a Python or CUDA torch publishes no wheel for, a torch build the cell's package
 index does not carry, a flash-attn wheel upstream does not publish (or a wheel name that does not follow
-its naming scheme), GPU architectures the CUDA toolkit cannot build, a build stage that cannot compile
-flash-attn or whose OS differs from the run stage's, and ids that do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
+its naming scheme, or one without its sha256; of a release whose wheel set is unknown, a wheel not seen in
+use, and malformed `wheels_seen` / `wheels_missing` entries), a flash-attn that cannot compile against the
+torch (C++ standard), a GPU cell without flash-attn for no stated reason, GPU architectures the CUDA toolkit cannot
+build, a build stage that cannot compile flash-attn or whose OS differs from the run stage's, and ids that
+do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
 To add a field: add it to Cell (with a default), read it in _parse_cell, check it in validate_cell.
 Needs `packaging` (requirements/bootstrap.txt) and tomllib (tomli on Python 3.10).
 """
@@ -24,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 try:
@@ -52,7 +58,8 @@ class FlashAttn:
     source: str  # "wheel" | "source" | "none"
     version: str = ""
     wheel: str = ""
-    sha256: str = ""  # "" = not recorded yet (filled after the image build downloads the wheel)
+    sha256: str = ""  # the wheel's (required with source = "wheel")
+    why: str = ""  # why a GPU cell has none, where the matrix cannot derive it
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,18 @@ class Matrix:
         fa = cell.flash_attn
         return flash_wheel_url(self.upstream, fa.version, fa.wheel) if fa.source == "wheel" else ""
 
+    def flash_sdist_sha256(self, version: str) -> str:
+        """sha256 of flash-attn `version`'s source package on PyPI ("" where not recorded)."""
+        return str(self.upstream.get("flash_attn", {}).get(version, {}).get("sdist_sha256", ""))
+
+    def flash_none_reason(self, cell: Cell) -> str:
+        """Why a cell has no flash-attn: its own `why`, else derived from the facts ("" where none applies)."""
+        if cell.flash_attn.source != "none":
+            return ""
+        if cell.cpu_only:
+            return "flash-attn needs CUDA"
+        return cell.flash_attn.why or flash_unbuildable(self.upstream, cell.torch_public)
+
 
 # --- naming ------------------------------------------------------------------------------------------
 
@@ -177,6 +196,16 @@ def flash_wheel_published(
     if rel is None:
         known = ", ".join(sorted(upstream.get("flash_attn", {}))) or "none"
         return False, f"flash-attn {version} is not in [upstream.flash_attn] (known: {known})"
+    wanted = {"torch": torch_mm, "cuda_major": cuda_major, "python": python, "cxx11abi": cxx11abi}
+    if rel.get("wheels_unknown"):
+        # The full set is unknown; single wheels may have been seen (or seen missing) elsewhere.
+        if wanted in rel.get("wheels_seen", []):
+            return True, ""
+        seen = "seen missing" if wanted in rel.get("wheels_missing", []) else "not among the wheels seen"
+        return False, (f"flash-attn {version}'s upstream wheel set is not recorded ({rel['wheels_unknown']}); "
+                       f"torch {torch_mm} / CUDA {cuda_major} / CPython {python} / cxx11abi={cxx11abi} is {seen}")
+    if any(all(wanted.get(k) == v for k, v in inc.items()) for inc in rel.get("include", [])):
+        return True, ""
     for key, value, label in (
         ("torch", torch_mm, "torch"),
         ("cuda_major", cuda_major, "CUDA major"),
@@ -187,10 +216,34 @@ def flash_wheel_published(
     if cxx11abi not in rel.get("cxx11abi", []):
         return False, f"flash-attn {version} publishes no cxx11abi={cxx11abi} wheel"
     for ex in rel.get("exclude", []):
-        wanted = {"torch": torch_mm, "cuda_major": cuda_major, "python": python}
         if all(wanted.get(k) == v for k, v in ex.items()):
             return False, f"flash-attn {version} publishes no wheel for {ex} (excluded upstream)"
     return True, ""
+
+
+def pin_specifier(pin: str) -> SpecifierSet:
+    """torch's triton pin as a SpecifierSet: a bare version ("3.6.0") means ==, else a PEP 440 specifier
+    ("~=3.8.0", ">=3.8,<3.9"). The same rule as nsa.upstream.pin_specifier, which ships with nsa; this
+    copy keeps ci/ free of importing nsa (and so torch)."""
+    pin = pin.strip()
+    return SpecifierSet(pin if pin[:1] in "<>=!~" else f"=={pin}")
+
+
+def cxx_std(entry: dict[str, Any]) -> int:
+    """The C++ standard a torch's headers need, or a flash-attn release compiles with (17 when unrecorded)."""
+    return int(entry.get("cxx_std", 17))
+
+
+def flash_unbuildable(upstream: dict[str, Any], torch_public: str) -> str:
+    """Why no recorded flash-attn release compiles against this torch ("" when one does)."""
+    need = cxx_std(upstream.get("torch", {}).get(torch_public, {}))
+    releases = upstream.get("flash_attn", {})
+    if not releases or any(cxx_std(rel) >= need for rel in releases.values()):
+        return ""
+    newest = max(releases, key=Version)
+    return (f"no flash-attn release compiles against torch {torch_public}: its headers need C++{need}, "
+            f"flash-attn {newest} builds with -std=c++{cxx_std(releases[newest])}; torch's built-in FA-2 "
+            "(the torch_flash backend) serves NSA")
 
 
 def image_os(image: str) -> str | None:
@@ -225,7 +278,7 @@ def _parse_cell(d: dict[str, Any], index: int, problems: list[str]) -> Cell:
         cpu_only=_req(d, "cpu_only", where, problems, bool),
         torch=_req(d, "torch", where, problems),
         triton=_req(d, "triton", where, problems),
-        flash_attn=FlashAttn(**{k: str(fa.get(k, "")) for k in ("source", "version", "wheel", "sha256")}),
+        flash_attn=FlashAttn(**{k: str(fa.get(k, "")) for k in ("source", "version", "wheel", "sha256", "why")}),
         gpu_archs=tuple(_req(d, "gpu_archs", where, problems, list)),
         base_image=_req(d, "base_image", where, problems),
         runtime_image=_req(d, "runtime_image", where, problems),
@@ -297,15 +350,7 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
             f"{w}: torch {cell.torch_public} publishes no wheel for Python {cell.python} (only {t['python']})"
         )
 
-    # triton: exactly torch's own pin, or none where torch's metadata requires none for this Python.
-    below = t.get("triton_python_below")
-    pinned = t["triton"]
-    if below and Version(cell.python) >= Version(below):
-        pinned = "none"
-    if cell.triton != pinned:
-        p.append(
-            f"{w}: triton must be {pinned!r}, the version torch {cell.torch_public} pins, not {cell.triton!r}"
-        )
+    p.extend(_validate_triton(cell, t))
 
     # Which index carries this torch: PyPI has one CUDA build per release and no local labels.
     local = cell.torch.split("+", 1)[1] if "+" in cell.torch else ""
@@ -368,15 +413,43 @@ def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
     return p
 
 
+def _validate_triton(cell: Cell, t: dict[str, Any]) -> list[str]:
+    """The cell's triton: one exact version inside torch's pin ("none" where torch requires no triton for
+    the cell's Python)."""
+    w, pin = f"cell {cell.id}", str(t["triton"])
+    below = t.get("triton_python_below")
+    if pin == "none" or (below and Version(cell.python) >= Version(below)):
+        return [] if cell.triton == "none" else [
+            f"{w}: torch {cell.torch_public} requires no triton on Python {cell.python}: triton must be 'none'"]
+    try:
+        spec = pin_specifier(pin)
+    except InvalidSpecifier:
+        return [f"{w}: [upstream.torch.\"{cell.torch_public}\"] triton {pin!r} is neither a version nor a specifier"]
+    try:
+        exact = Version(cell.triton)
+    except InvalidVersion:
+        return [f"{w}: triton must be an exact version inside torch {cell.torch_public}'s pin triton{spec}, "
+                f"not {cell.triton!r}"]
+    if not spec.contains(exact, prereleases=True):
+        return [f"{w}: triton {cell.triton} is outside torch {cell.torch_public}'s pin triton{spec}"]
+    return []
+
+
 def _validate_flash(cell: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> list[str]:
     fa, w, p = cell.flash_attn, f"cell {cell.id}", []
     if fa.source not in FLASH_SOURCES:
         return [f"{w}: flash_attn.source must be one of {FLASH_SOURCES}, not {fa.source!r}"]
     if fa.source == "none":
+        if not cell.cpu_only and not fa.why and not flash_unbuildable(upstream, cell.torch_public):
+            return [f"{w}: a GPU cell pins flash-attn (a wheel or the source build); say why it has none "
+                    "(flash_attn.why)"]
         return []
     if not fa.version:
         return [f"{w}: flash_attn.version is required when flash_attn.source = {fa.source!r}"]
     rel = upstream.get("flash_attn", {}).get(fa.version, {})
+    if cxx_std(rel) < cxx_std(t):
+        p.append(f"{w}: flash-attn {fa.version} compiles with -std=c++{cxx_std(rel)}, torch {cell.torch_public}'s "
+                 f"headers need C++{cxx_std(t)}: it cannot be built or loaded against this torch")
     min_sm = rel.get("min_sm")
     if min_sm:
         low = [a for a in cell.gpu_archs if Version(a) < Version(min_sm)]
@@ -385,6 +458,8 @@ def _validate_flash(cell: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> 
     if fa.source == "source":
         if fa.wheel or fa.sha256:
             p.append(f"{w}: flash_attn.source = 'source' takes no wheel/sha256")
+        if not _is_sha256(str(rel.get("sdist_sha256", ""))):
+            p.append(f"{w}: flash-attn {fa.version}'s source package has no sdist_sha256 in [upstream.flash_attn]")
         return p
     # source == "wheel": upstream must publish exactly this file.
     cuda_major = cell.cuda.split(".")[0]
@@ -399,8 +474,27 @@ def _validate_flash(cell: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> 
         p.append(
             f"{w}: flash_attn.wheel must be {expected!r} (upstream's name for this torch/CUDA/Python/ABI)"
         )
-    if fa.sha256 and not _is_sha256(fa.sha256):
-        p.append(f"{w}: flash_attn.sha256 must be 64 lowercase hex digits or empty (not recorded yet)")
+    if not _is_sha256(fa.sha256):
+        p.append(f"{w}: flash_attn.sha256 must be the wheel's sha256 (64 lowercase hex digits); where it cannot "
+                 "be obtained, pin the source package instead (flash_attn.source = 'source')")
+    return p
+
+
+WHEEL_KEYS = {"torch": str, "cuda_major": str, "python": str, "cxx11abi": bool}
+
+
+def _validate_wheel_lists(version: str, rel: dict[str, Any]) -> list[str]:
+    """wheels_seen / wheels_missing of a flash-attn release: whole wheel descriptions, in one list at most."""
+    p, w = [], f"upstream.flash_attn.{version}"
+    for key in ("wheels_seen", "wheels_missing"):
+        for entry in rel.get(key, []):
+            if not isinstance(entry, dict) or set(entry) != set(WHEEL_KEYS) or not all(
+                    isinstance(entry[k], t) for k, t in WHEEL_KEYS.items()):
+                p.append(f"{w}: {key} entry {entry!r} must have exactly torch, cuda_major, python (strings) "
+                         "and cxx11abi (true/false)")
+    both = [e for e in rel.get("wheels_seen", []) if e in rel.get("wheels_missing", [])]
+    if both:
+        p.append(f"{w}: {both} are both in wheels_seen and wheels_missing")
     return p
 
 
@@ -412,6 +506,12 @@ def validate(matrix: Matrix) -> list[str]:
             problems.append(f"cell {c.id}: duplicate id")
         seen.add(c.id)
         problems.extend(validate_cell(c, matrix.upstream))
+    for version, rel in matrix.upstream.get("torch", {}).items():
+        extra = set(rel.get("cuda_experimental", [])) - set(rel.get("cuda", []))
+        if extra:
+            problems.append(f"upstream.torch.{version}: cuda_experimental {sorted(extra)} not in its cuda list")
+    for version, rel in matrix.upstream.get("flash_attn", {}).items():
+        problems.extend(_validate_wheel_lists(version, rel))
     for py, cell_id in matrix.quickstart.items():
         cell = next((c for c in matrix.cells if c.id == cell_id), None)
         if cell is None or cell.python != py:
@@ -428,7 +528,16 @@ def validate(matrix: Matrix) -> list[str]:
 
 
 def describe(m: Matrix, c: Cell) -> dict[str, Any]:
-    return {**c.to_json(), "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c)}
+    """The cell, where its packages come from, and `why`: the upstream facts behind each of its choices."""
+    from ci.matrix_explain import explain  # it imports this module
+
+    return {**c.to_json(), "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c),
+            "flash_attn_none": m.flash_none_reason(c), "why": explain(m, c)}
+
+
+def _show_text(d: dict[str, Any]) -> str:
+    why = d.pop("why")
+    return "\n".join([*(f"{k:14} {v}" for k, v in d.items()), "why:", *(f"  {k:12} {v}" for k, v in why.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("show", help="one cell")
     sh.add_argument("cell")
     sh.add_argument("--json", action="store_true")
+    tb = sub.add_parser("table", help="the matrix as the Markdown table of README.md and docs/environments.md")
+    tb.add_argument("--write", action="store_true", help="update the table in those documents")
     args = ap.parse_args(argv)
     try:
         m = load(args.matrix)
@@ -453,9 +564,16 @@ def main(argv: list[str] | None = None) -> int:
                 cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
                 qs = f"  Quick start for {quick[c.id]}" if c.id in quick else ""
                 print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}{qs}")
+        elif args.cmd == "table":
+            from ci.matrix_explain import table, write_tables
+
+            if args.write:
+                print("\n".join(f"updated {p}" for p in write_tables(m)) or "the tables are up to date")
+            else:
+                print(table(m))
         else:
             d = describe(m, m.get(args.cell))
-            print(json.dumps(d, indent=2) if args.json else "\n".join(f"{k:14} {v}" for k, v in d.items()))
+            print(json.dumps(d, indent=2) if args.json else _show_text(d))
     except MatrixError as e:
         print(e, file=sys.stderr)
         return 1

@@ -44,7 +44,10 @@ def test_editing_the_matrix_without_regenerating_fails_the_sync(tmp_path):
 def test_facts_spell_out_the_flash_attn_wheels_with_the_matrix_rules():
     facts = upstream.load()
     rel = facts["flash_attn"]["2.8.3"]
-    assert len(rel["wheels"]) == 5 * 5 * 2 - 2  # torch 2.4-2.8 x CPython 3.9-3.13 x 2 ABIs, minus torch 2.4 / 3.13
+    # torch 2.4-2.8 x CPython 3.9-3.13 x 2 ABIs, minus torch 2.4 / 3.13, plus torch 2.9 / 3.12 / C++11 ABI
+    assert len(rel["wheels"]) == 5 * 5 * 2 - 2 + 1
+    assert upstream.flash_wheel(facts, "2.8.3", "2.9", "12", "3.12", True)[0] is not None
+    assert upstream.flash_wheel(facts, "2.8.3", "2.9", "12", "3.11", True)[0] is None
     w, _ = upstream.flash_wheel(facts, "2.8.3", "2.4", "12", "3.12", False)
     assert w["wheel"] == "flash_attn-2.8.3+cu12torch2.4cxx11abiFALSE-cp312-cp312-linux_x86_64.whl"
     assert w["url"].endswith("/v2.8.3/flash_attn-2.8.3%2Bcu12torch2.4cxx11abiFALSE-cp312-cp312-linux_x86_64.whl")

@@ -134,3 +134,16 @@ def test_xdist_one_worker_per_gpu_each_pinned(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     seen = {f.name: f.read_text() for f in tmp_path.glob("gw*")}
     assert seen == {"gw0": "5", "gw1": "7"}, (seen, p.stdout)
+
+
+def test_the_lock_check_expects_the_flash_attn_pin_where_flash_attn_is_installed(tmp_path):
+    cell = "cu130-torch2.12-py312"
+    assert S.expected_set(cell, {"flash_attn": {"installed": False}}, tmp_path) == cell
+    name = S.expected_set(cell, {"flash_attn": {"installed": True}}, tmp_path)
+    assert name == f"{cell}.expected.txt"  # starts with the cell: nsa.env reads the build variant from it
+    text = (tmp_path / name).read_text()
+    assert "torch==2.12.1" in text and "flash-attn==2.8.3.post2" in text
+    assert S.expected_set("cu130-torch2.14-py312", {"flash_attn": {"installed": True}}, tmp_path) == \
+        "cu130-torch2.14-py312"  # no flash-attn pin for that cell
+    unknown = "cu999-torch9.9-py399"
+    assert S.expected_set(unknown, {"flash_attn": {"installed": True}}, tmp_path) == unknown

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ci import images  # noqa: E402
+from ci import images, locks  # noqa: E402
 from ci.locks import parse_lock  # noqa: E402
 from ci.matrix import load  # noqa: E402
 
@@ -84,13 +84,25 @@ def test_plan_lists_bases_flash_source_and_size(plans):
         assert p.tags[0] in text and p.build_base in text and f"~{p.expected_size_gb} GB" in text
 
 
-def test_source_built_flash_attn_is_pinned_and_arch_bounded(plans):
+def test_flash_attn_is_installed_from_the_cells_hash_pinned_file(matrix, plans):
+    """Every flash-attn the images install comes from requirements/locks/<cell>.flash-attn.txt, which pins
+    a wheel or the source package by sha256; source builds are bounded to the cell's architectures."""
     built = [p for p in plans.values() if p.flash_attn_source == "source"]
     assert built, "the matrix has a cell that builds flash-attn from source"
+    for p in plans.values():
+        if p.flash_attn_source == "none":
+            continue
+        pin = locks.flash_lock_path(matrix, p.cell).read_text()
+        (req,) = locks.iter_lock(pin)
+        assert req.name == "flash-attn" and re.fullmatch(r"[0-9a-f]{64}", req.hashes[0]), p.cell
+        assert req.version.split("+")[0] == p.flash_attn_version, p.cell
+        assert bool(req.url) == (p.flash_attn_source == "wheel"), p.cell
+        assert locks.flash_lock_path(matrix, p.cell).name in p.flash_attn_pinned
     for p in built:
-        assert re.fullmatch(r"[0-9a-f]{64}", p.build_args["FLASH_ATTN_SDIST_SHA256"])
         assert p.build_args["GPU_ARCHS"] == ";".join(p.gpu_archs)
         assert int(p.build_args["MAX_JOBS"]) >= 1
+        assert not any(k.startswith("FLASH_ATTN_") and k not in ("FLASH_ATTN_SOURCE", "FLASH_ATTN_VERSION")
+                       for k in p.build_args), "the pin file, not build args, carries what is installed"
 
 
 def test_without_flash_attn_leaves_it_out_and_says_so(matrix, plans):
@@ -98,7 +110,7 @@ def test_without_flash_attn_leaves_it_out_and_says_so(matrix, plans):
     slim = images.make_plan(matrix, matrix.get(GPU), registry="reg.example/team", rev=SHA, date=DATE,
                             flash_attn=False)
     assert full.build_args["FLASH_ATTN_SOURCE"] == "source" and "MAX_JOBS" in full.build_args
-    assert slim.build_args["FLASH_ATTN_SOURCE"] == "none" and "FLASH_ATTN_SDIST_SHA256" not in slim.build_args
+    assert slim.build_args["FLASH_ATTN_SOURCE"] == "none" and "MAX_JOBS" not in slim.build_args
     assert slim.labels["nsa.flash-attn"] == "none" and slim.labels["nsa.flash-attn.source"] == "none"
     assert slim.expected_size_gb < full.expected_size_gb
     others = {k: v for k, v in full.build_args.items() if not k.startswith(("FLASH_ATTN", "MAX_JOBS"))}

@@ -158,3 +158,43 @@ def test_cli_check_and_unknown_target(capsys):
     assert locks.main(["--check", CPU]) == 0
     assert locks.main(["--check", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+SOURCE_CELL, WHEEL_CELL, NO_FLASH_CELL = "cu130-torch2.12-py312", "cu128-torch2.8-py311", "cu130-torch2.14-py312"
+
+
+def test_flash_attn_pins_sit_beside_the_gpu_locks():
+    m = mx.load()
+    for cell in m.cells:
+        path = locks.flash_lock_path(m, cell.id)
+        assert path.exists() == (cell.flash_attn.source != "none"), cell.id
+    src = locks.parse_lock(locks.flash_lock_path(m, SOURCE_CELL).read_text())["flash-attn"]
+    assert (src.version, src.url, src.hashes) == ("2.8.3.post2", "", (m.flash_sdist_sha256("2.8.3.post2"),))
+    whl = locks.parse_lock(locks.flash_lock_path(m, WHEEL_CELL).read_text())["flash-attn"]
+    assert whl.url == m.flash_wheel_url(m.get(WHEEL_CELL)) and whl.hashes == (m.get(WHEEL_CELL).flash_attn.sha256,)
+    args, env = locks.flash_install_args(m, m.get(SOURCE_CELL))
+    assert "--no-build-isolation" in args and env["FLASH_ATTENTION_FORCE_BUILD"] == "TRUE"  # never an unpinned wheel
+    assert env["FLASH_ATTN_CUDA_ARCHS"] == "80;86;89;90;100;120"
+    assert "--only-binary=:all:" in locks.flash_install_args(m, m.get(WHEEL_CELL))[0]
+
+
+def test_flash_attn_pin_edits_missing_and_orphans_are_reported(req: Path):
+    m = mx.load(req / "matrix.toml")
+    pin = locks.flash_lock_path(m, SOURCE_CELL)
+    pin.write_text(pin.read_text().replace("2.8.3.post2", "2.8.3"))
+    assert any(f"{pin.name} is stale" in p for p in locks.check(m, [SOURCE_CELL]))
+    pin.unlink()
+    assert any(f"{pin.name} is missing" in p for p in locks.check(m, [SOURCE_CELL]))
+    locks.write_flash_lock(m, m.get(SOURCE_CELL))
+    assert locks.check(m, [SOURCE_CELL]) == []
+    # The pin follows the matrix's facts: another sdist sha256 there makes it stale.
+    text = (req / "matrix.toml").read_text()
+    old = m.flash_sdist_sha256("2.8.3.post2")
+    (req / "matrix.toml").write_text(text.replace(old, "0" * 64))
+    assert any("is stale" in p for p in locks.check(mx.load(req / "matrix.toml"), [SOURCE_CELL]))
+    (req / "matrix.toml").write_text(text)
+    stray = locks.flash_lock_path(m, NO_FLASH_CELL)
+    stray.write_text(pin.read_text())
+    assert any("exists but the cell has no flash-attn" in p for p in locks.check(m, [NO_FLASH_CELL]))
+    (req / "locks" / "cu999-torch9.9-py399.flash-attn.txt").write_text("")
+    assert any("cu999-torch9.9-py399.flash-attn.txt: no cell 'cu999-torch9.9-py399'" in p for p in locks.check(m))

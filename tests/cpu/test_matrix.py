@@ -9,13 +9,17 @@ import pytest
 from ci import matrix as mx
 from ci.matrix import tomllib
 
-REQUIRED = {  # (CUDA, torch major.minor) pairs the issue asks for, plus the lent GPU machine's exact stack
+REQUIRED = {  # (CUDA, torch major.minor) pairs we support, the lent GPU machine's exact stack among them
     ("none", "2.13"),
     ("12.1", "2.4"),
     ("12.6", "2.7"),
     ("12.8", "2.8"),
     ("12.8", "2.9"),
     ("13.0", "2.11"),
+    ("13.0", "2.12"),
+    ("13.0", "2.13"),
+    ("13.0", "2.14"),
+    ("13.2", "2.15"),
 }
 
 
@@ -52,6 +56,31 @@ def test_real_matrix_is_valid_and_covers_the_required_cells():
     assert {"cu124-torch2.5-py311", "cu124-torch2.6-py311"} & {c.id for c in m.cells}
 
 
+def test_current_releases_have_gpu_cells_for_every_python_they_publish():
+    """torch 2.12 to 2.15: a GPU cell (PyPI's CUDA build) per CPython torch publishes a Linux wheel for."""
+    m = mx.load()
+    for mm in ("2.12", "2.13", "2.14", "2.15"):
+        cells = [c for c in m.cells if c.torch_mm == mm and not c.cpu_only]
+        assert cells, mm
+        newest = max((v for v in m.upstream["torch"] if v.startswith(mm + ".")), key=mx.Version)
+        facts = m.upstream["torch"][newest]
+        assert {c.python for c in cells} == set(facts["python"]) and "3.13" in facts["python"], mm
+        assert {(c.torch, c.cuda, c.torch_index) for c in cells} == {(newest, facts["pypi_cuda"], "pypi")}, mm
+    assert {c.cuda.split(".")[0] for c in m.cells if not c.cpu_only} == {"12", "13"}
+
+
+def test_recorded_torch_facts():
+    """What PyPI's JSON API and PyTorch's release matrix say about the current releases."""
+    up = mx.load().upstream["torch"]
+    for v in ("2.12.0", "2.12.1", "2.13.0", "2.14.0", "2.14.1"):
+        assert up[v]["cuda"] == ["cpu", "12.6", "13.0", "13.2"] and up[v]["cuda_experimental"] == ["13.2"], v
+        assert up[v]["pypi_cuda"] == "13.0" and up[v]["python"] == ["3.10", "3.11", "3.12", "3.13", "3.14"], v
+    assert (up["2.12.0"]["triton"], up["2.12.1"]["triton"], up["2.13.0"]["triton"]) == ("3.7.0", "3.7.1", "3.7.1")
+    assert up["2.15.0"]["pypi_cuda"] == "13.2" and up["2.15.0"]["triton"] == "~=3.9.0"
+    assert up["2.15.0"]["python"] == ["3.11", "3.12", "3.13", "3.14", "3.15"]
+    assert [v for v in up if mx.cxx_std(up[v]) == 20] == ["2.14.0", "2.14.1", "2.15.0"]
+
+
 def test_cpu_cell_is_the_ci_machine():
     c = mx.load().get("cpu-torch2.13-py311")
     assert c.cpu_only and c.torch == "2.13.0+cpu" and c.python == "3.11" and c.triton == "3.7.1"
@@ -64,14 +93,48 @@ def test_gpu_machine_cell_matches_the_lent_machine():
     assert "numpy==2.5.2" in c.pins
 
 
-def test_every_gpu_cell_uses_the_triton_torch_pins():
+def test_every_cell_uses_one_exact_triton_inside_torchs_pin():
     m = mx.load()
     for c in m.cells:
-        assert c.triton == m.upstream["torch"][c.torch_public]["triton"], c.id
+        spec = mx.pin_specifier(m.upstream["torch"][c.torch_public]["triton"])
+        assert len(spec) == 1 and next(iter(spec)).operator in ("==", "~="), c.id
+        assert spec.contains(c.triton), c.id
+        assert str(mx.Version(c.triton)) == c.triton, c.id  # one version, not a range
 
 
 def test_triton_not_pinned_by_torch_is_rejected(data):
-    assert "triton must be '3.4.0'" in _problems(_with_cell(data, "cu128-torch2.8-py311", triton="3.5.0"))
+    assert "triton 3.5.0 is outside torch 2.8.0's pin triton==3.4.0" in _problems(
+        _with_cell(data, "cu128-torch2.8-py311", triton="3.5.0"))
+
+
+# torch 2.14.0's Requires-Dist as PyPI publishes it (torch-2.14.0-cp312-cp312-manylinux_2_28_x86_64.whl):
+# triton~=3.8.0; platform_system == "Linux" and python_version < "3.15"
+TORCH_2_14_PIN = "~=3.8.0"
+
+
+def test_torch_2_14s_range_pin_is_understood(data):
+    assert data["upstream"]["torch"]["2.14.0"]["triton"] == TORCH_2_14_PIN
+    assert data["upstream"]["torch"]["2.14.0"]["triton_python_below"] == "3.15"
+    spec = mx.pin_specifier(TORCH_2_14_PIN)
+    inside = [v for v in ("3.7.1", "3.8.0", "3.8.1", "3.8.12", "3.9.0") if spec.contains(v)]
+    assert inside == ["3.8.0", "3.8.1", "3.8.12"]
+    assert mx.pin_specifier("3.6.0") == mx.pin_specifier("==3.6.0")  # a bare version is exact
+    assert mx.pin_specifier(">=3.8,<3.9").contains("3.8.5")
+    mx.parse(_with_cell(data, "cu130-torch2.14-py312", triton="3.8.1"))  # a later 3.8.x satisfies the range
+    for bad in ("3.9.0", "3.7.1"):
+        msg = _problems(_with_cell(data, "cu130-torch2.14-py312", triton=bad))
+        assert f"triton {bad} is outside torch 2.14.1's pin triton~=3.8.0" in msg
+    assert "an exact version inside torch 2.14.1's pin" in _problems(
+        _with_cell(data, "cu130-torch2.14-py312", triton="~=3.8.0"))  # a cell pins one version, not a range
+    d = copy.deepcopy(data)
+    d["upstream"]["torch"]["2.14.1"]["triton"] = "~=3"  # ~= needs two release segments: no PEP 440 specifier
+    assert "neither a version nor a specifier" in _problems(d)
+
+
+def test_no_triton_where_torch_requires_none_for_the_python(data):
+    d = copy.deepcopy(data)
+    d["upstream"]["torch"]["2.15.0"]["triton_python_below"] = "3.15"
+    assert "requires no triton on Python 3.15: triton must be 'none'" in _problems(d)
 
 
 def test_python_without_torch_wheel_is_rejected(data):
@@ -116,6 +179,78 @@ def test_excluded_flash_combination_is_rejected():
     ok, why = mx.flash_wheel_published(up, "2.8.3", "2.4", "12", "3.13", False)
     assert not ok and "excluded" in why
     assert mx.flash_wheel_published(up, "2.8.3", "2.8", "12", "3.12", True) == (True, "")
+
+
+def test_flash_attn_that_cannot_compile_against_the_torch_is_rejected(data):
+    fa = {"version": "2.8.3.post2", "source": "source"}
+    devel = "nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04"
+    msg = _problems(_with_cell(data, "cu130-torch2.14-py312", flash_attn=fa, base_image=devel))
+    assert "compiles with -std=c++17, torch 2.14.1's headers need C++20" in msg
+    m = mx.load()
+    assert "its headers need C++20" in m.flash_none_reason(m.get("cu130-torch2.14-py312"))
+    d = copy.deepcopy(data)  # a release that builds with C++20 would make the reason go away
+    d["upstream"]["flash_attn"]["2.8.3.post2"]["cxx_std"] = 20
+    assert "say why it has none (flash_attn.why)" in _problems(d)
+
+
+def test_gpu_cell_without_flash_attn_must_say_why(data):
+    assert "say why it has none (flash_attn.why)" in _problems(
+        _with_cell(data, "cu130-torch2.12-py312", flash_attn={"source": "none"}))
+    d = _with_cell(data, "cu130-torch2.12-py312", flash_attn={"source": "none", "why": "a reason"})
+    assert mx.parse(d).flash_none_reason(mx.parse(d).get("cu130-torch2.12-py312")) == "a reason"
+
+
+def test_flash_wheel_needs_its_sha256_and_a_known_wheel_set(data):
+    cell = next(c for c in data["cell"] if c["id"] == "cu128-torch2.8-py311")
+    fa = {**cell["flash_attn"], "sha256": ""}
+    assert "pin the source package instead" in _problems(_with_cell(data, "cu128-torch2.8-py311", flash_attn=fa))
+    fa = {"version": "2.8.3.post2", "source": "wheel", "sha256": "a" * 64,
+          "wheel": "flash_attn-2.8.3.post2+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"}
+    assert "upstream wheel set is not recorded" in _problems(_with_cell(data, "cu128-torch2.8-py311", flash_attn=fa))
+
+
+def test_flash_release_facts():
+    up = mx.load().upstream
+    for v in ("2.8.3", "2.8.3.post1", "2.8.3.post2"):
+        assert len(up["flash_attn"][v]["sdist_sha256"]) == 64 and mx.cxx_std(up["flash_attn"][v]) == 17, v
+    assert mx.flash_wheel_published(up, "2.8.3", "2.9", "12", "3.12", True) == (True, "")  # `include`
+    assert not mx.flash_wheel_published(up, "2.8.3", "2.9", "12", "3.12", False)[0]
+    assert "not recorded" in mx.flash_wheel_published(up, "2.8.3.post2", "2.13", "13", "3.12", True)[1]
+
+
+# --- flash-attn wheels seen (or seen missing) of a release whose wheel set is unknown -----------------------
+
+
+def test_single_wheels_of_an_unknown_set(data):
+    up = mx.load().upstream
+    assert mx.flash_wheel_published(up, "2.8.3.post1", "2.8", "12", "3.12", False) == (True, "")
+    assert "is seen missing" in mx.flash_wheel_published(up, "2.8.3.post1", "2.11", "13", "3.12", True)[1]
+    assert "not among the wheels seen" in mx.flash_wheel_published(up, "2.8.3.post1", "2.13", "13", "3.12", True)[1]
+    # a seen wheel can be pinned (with its sha256) by a cell of that torch / CUDA / Python / ABI
+    fa = {"version": "2.8.3.post1", "source": "wheel", "sha256": "c" * 64,
+          "wheel": "flash_attn-2.8.3.post1+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"}
+    d = copy.deepcopy(data)
+    next(c for c in d["cell"] if c["id"] == "cu128-torch2.8-py311")["flash_attn"] = fa
+    assert mx.parse(d).get("cu128-torch2.8-py311").flash_attn.version == "2.8.3.post1"
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"torch": "2.8", "cuda_major": "12", "python": "3.12"}, "must have exactly torch, cuda_major, python"),
+    ({"torch": "2.8", "cuda_major": 12, "python": "3.12", "cxx11abi": True}, "must have exactly"),
+    ({"torch": "2.11", "cuda_major": "13", "python": "3.12", "cxx11abi": True},
+     "both in wheels_seen and wheels_missing"),
+])
+def test_bad_wheel_lists_are_rejected(data, entry, problem):
+    d = copy.deepcopy(data)
+    d["upstream"]["flash_attn"]["2.8.3.post1"]["wheels_seen"].append(entry)
+    with pytest.raises(mx.MatrixError, match=problem):
+        mx.parse(d)
+
+
+def test_experimental_cuda_must_be_a_published_variant(data):
+    d = copy.deepcopy(data)
+    d["upstream"]["torch"]["2.13.0"]["cuda_experimental"] = ["13.3"]
+    assert "cuda_experimental ['13.3'] not in its cuda list" in _problems(d)
 
 
 def test_bad_id_and_cuda_and_archs_are_rejected(data):

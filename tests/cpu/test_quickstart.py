@@ -1,4 +1,5 @@
-"""The Quick start's cell choice (ci/install.py) and its local package index (ci/quickstart.py).
+"""The Quick start's cell choice and the GPU sessions' flash-attn install (ci/install.py), and the Quick
+start's local package index (ci/quickstart.py).
 
 The Quick start itself, run in a fresh clone with no pip configuration, is `python -m ci.quickstart`
 (.ci/run runs it for Python 3.11 with the library install and examples, then 3.12, 3.13 and 3.10).
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ci import quickstart as Q
-from ci.install import CellChoiceError, choose_cell, pip_args
+from ci.install import CellChoiceError, choose_cell, install_flash_attn, pip_args
 from ci.matrix import load
 
 
@@ -115,3 +116,41 @@ def test_clean_env_drops_every_pip_setting(monkeypatch):
     env = Q.clean_env({"NSA_PYTORCH_INDEX": "http://127.0.0.1:1/whl"})
     assert env["PIP_CONFIG_FILE"] == "/dev/null" and env["NSA_PYTORCH_INDEX"] == "http://127.0.0.1:1/whl"
     assert not [k for k in env if k.startswith("PIP_") and k != "PIP_CONFIG_FILE"]
+
+
+class RecordingSession:
+    """What install_flash_attn asks of a nox session."""
+
+    def __init__(self):
+        self.installs, self.logs = [], []
+
+    def install(self, *args, env=None):
+        self.installs.append((args, env))
+
+    def log(self, msg):
+        self.logs.append(msg)
+
+    warn = log
+
+    def error(self, msg):
+        raise RuntimeError(msg)
+
+
+def test_gpu_sessions_install_the_cells_flash_attn_pin(matrix, monkeypatch):
+    monkeypatch.delenv("NSA_FLASH_ATTN", raising=False)
+    s = RecordingSession()
+    install_flash_attn(s, matrix, matrix.get("cu130-torch2.12-py312"))  # source package, compiled
+    ((args, env),) = s.installs
+    assert args[-1].endswith("requirements/locks/cu130-torch2.12-py312.flash-attn.txt")
+    assert "--require-hashes" in args and "--no-build-isolation" in args
+    assert env["FLASH_ATTENTION_FORCE_BUILD"] == "TRUE"  # setup.py never fetches an unpinned wheel
+    s = RecordingSession()
+    install_flash_attn(s, matrix, matrix.get("cu128-torch2.8-py311"))  # upstream wheel
+    assert s.installs[0][0][-1].endswith("cu128-torch2.8-py311.flash-attn.txt") and s.installs[0][1] == {}
+    s = RecordingSession()
+    install_flash_attn(s, matrix, matrix.get("cu130-torch2.14-py312"))  # none, and the log says why
+    assert not s.installs and "C++20" in s.logs[0]
+    monkeypatch.setenv("NSA_FLASH_ATTN", "0")
+    s = RecordingSession()
+    install_flash_attn(s, matrix, matrix.get("cu130-torch2.12-py312"))
+    assert not s.installs and "left out (NSA_FLASH_ATTN=0)" in s.logs[0]

@@ -92,7 +92,7 @@ def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
     """Every variant on one filled cache (paper heads): replay time, kernel times, agreement with the first."""
     Hq, Hkv, D = 64, 4, 128
     gen = torch.Generator(device=dev).manual_seed(0)
-    cache = NSACache(cfg, B, S + args.inner + args.steps + 64, Hkv, D, D, device=dev, dtype=dtype)
+    cache = NSACache(cfg, B, S + args.room, Hkv, D, D, device=dev, dtype=dtype)
     fill_cache(cache, [S] * B, gen, 8192)
     q, k, v, g = step_inputs(gen, B, Hq, Hkv, D, D, dev, dtype)
     seq0, host0 = cache.cache_seqlens.clone(), cache.host_state()
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10, help="eager steps profiled per variant")
+    ap.add_argument("--room", type=int, default=94, help="cache capacity = S + room (room > inner + steps)")
     ap.add_argument("--csv", default="decode_tune.csv")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

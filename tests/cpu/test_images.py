@@ -30,11 +30,7 @@ DATE = "2026-01-02T03:04:05Z"
 needs_docker_dir = pytest.mark.skipif(not (ROOT / "docker" / "Dockerfile").exists(), reason="no docker/ here")
 
 
-@pytest.fixture(autouse=True)
-def _pytorchs_own_index(monkeypatch):
-    """The URLs below are PyTorch's own: a mirror set around the test run (NSA_PYTORCH_INDEX) must not count."""
-    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
-
+pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import copy
 import pytest
 
 from ci import matrix as mx
-from ci.matrix import tomllib
 
 REQUIRED = {  # (CUDA, torch major.minor) pairs we support, the lent GPU machine's exact stack among them
     ("none", "2.13"),
@@ -23,17 +22,7 @@ REQUIRED = {  # (CUDA, torch major.minor) pairs we support, the lent GPU machine
 }
 
 
-@pytest.fixture(autouse=True)
-def _pytorchs_own_index(monkeypatch):
-    """The URLs below are PyTorch's own: a mirror set around the test run (NSA_PYTORCH_INDEX) must not count."""
-    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
-
-
-
-@pytest.fixture(scope="module")
-def data() -> dict:
-    with mx.DEFAULT_PATH.open("rb") as f:
-        return tomllib.load(f)
+pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
 
 def _with_cell(data: dict, cell_id: str, **changes) -> dict:

@@ -11,18 +11,8 @@ import pytest
 
 from ci import matrix as mx
 from ci import matrix_explain as X
-from ci.matrix import tomllib
 
-
-@pytest.fixture(autouse=True)
-def _pytorchs_own_index(monkeypatch):
-    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
-
-
-@pytest.fixture(scope="module")
-def data() -> dict:
-    with mx.DEFAULT_PATH.open("rb") as f:
-        return tomllib.load(f)
+pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
 
 def _why(m: mx.Matrix, cell_id: str) -> dict[str, str]:

@@ -13,7 +13,6 @@ import pytest
 
 from ci import matrix as mx
 from ci import outdated as O
-from ci.matrix import tomllib
 
 RECORDED = Path(__file__).parent / "data" / "pypi"
 
@@ -29,12 +28,6 @@ def _no_network(monkeypatch):
 @pytest.fixture
 def pypi():
     return O.recorded(RECORDED)
-
-
-@pytest.fixture(scope="module")
-def data() -> dict:
-    with mx.DEFAULT_PATH.open("rb") as f:
-        return tomllib.load(f)
 
 
 def _without_torch_2_15_and_2_14_1(data: dict) -> mx.Matrix:

@@ -18,12 +18,7 @@ from ci import quickstart as Q
 from ci.install import CellChoiceError, choose_cell, install_flash_attn, pip_args
 from ci.matrix import load
 
-
-@pytest.fixture(autouse=True)
-def _pytorchs_own_index(monkeypatch):
-    """The URLs below are PyTorch's own: a mirror set around the test run (NSA_PYTORCH_INDEX) must not count."""
-    monkeypatch.delenv("NSA_PYTORCH_INDEX", raising=False)
-
+pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
 
 @pytest.fixture(scope="module")

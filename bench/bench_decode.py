@@ -180,7 +180,13 @@ def parse_args(argv=None):
 
 
 def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2, warm_seconds: float = 0.1) -> float:
-    """Median ms per call of fn over `repeats` batches of `inner` back-to-back calls (restore() before each
+    """Median ms per call of fn over `repeats` batches of `inner` back-to-back calls (time_batches)."""
+    return statistics.median(time_batches(fn, restore, device, inner, repeats, warmup, warm_seconds))
+
+
+def time_batches(fn, restore, device, inner: int, repeats: int, warmup: int = 2,
+                 warm_seconds: float = 0.1) -> list[float]:
+    """Ms per call of fn in each of `repeats` batches of `inner` back-to-back calls (restore() before each
     batch, untimed). Warm-up: `warmup` calls, then more (restoring as timed batches do) until `warm_seconds`
     have passed, so the GPU runs at its working clocks when the timed batches start (a 70 us step timed
     right after a pause measured a few percent slower)."""
@@ -212,7 +218,7 @@ def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2, w
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / inner)
     restore()
-    return statistics.median(times)
+    return times
 
 
 def eager_and_graph(fn, restore, device, args, after_capture=None) -> tuple[float, float | None]:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_decode import fill_cache, step_inputs  # noqa: E402
+from bench_decode import fill_cache, step_inputs, time_batches  # noqa: E402
 
 from nsa import NSACache, NSAConfig, nsa_decode  # noqa: E402
 from nsa.benchutil import console, env_metadata, sidecar_path, write_csv, write_json  # noqa: E402
@@ -68,23 +68,15 @@ def kernel_times(step, steps: int) -> dict[str, float]:
 
 
 def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, float]:
+    """(median, min, max) us per CUDA-graph replay of one step, timed as bench_decode times its steps."""
     restore()
     graph = torch.cuda.CUDAGraph()
     step()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         step()
-    times = []
-    for _ in range(repeats):
-        restore()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    restore()
+    times = [ms * 1e3 for ms in time_batches(graph.replay, restore, torch.device("cuda"), inner, repeats,
+                                             warmup=0, warm_seconds=0.0)]
     return statistics.median(times), min(times), max(times)
 
 

@@ -4,7 +4,8 @@ replay time of one step and each kernel's GPU time, paper heads, bf16, on a fill
     PYTHONPATH=. python bench/tune_decode.py --cells 65536x8,8192x8,65536x1 --csv decode_tune.csv
     PYTHONPATH=. python bench/tune_decode.py --variants "base:;w8:warps_cmp=8;dv32:dv_tile=32"
 
-A variant is `name:field=value,...` (fields of Tuning; integers, or true/false). Every variant's output and
+A variant is `name:field=value,...` (fields of Tuning; integers, or true/false; programs_per_sm=N and
+cmp_per_sm=N set target_programs and target_cmp to N programs per SM of the GPU). Every variant's output and
 blocks are compared with the first variant's on the same state (max relative error, equal index rows), so a
 faster variant that computes something else shows up at once. Without --variants: the default launch, then one
 change at a time. Prints a table per cell and writes a CSV (JSON sidecar with the environment).
@@ -34,6 +35,7 @@ DEFAULT_VARIANTS = (
     "cj32:chunk_j=32", "cj128:chunk_j=128", "cj128_w8:chunk_j=128,warps_score=8", "comb_w2:warps_combine=2",
     "comb_w8:warps_combine=8", "pc16:part_chunk=16", "dv16:dv_tile=16", "p2:programs_per_sm=2",
     "p8:programs_per_sm=8", "st3:stages_cmp=3", "bn32:block_n=32,stages_cmp=3", "cmp_w8:warps_cmp=8",
+    "c2:cmp_per_sm=2", "c4:cmp_per_sm=4", "align16:cmp_align=16", "win_in_cmp:window_with_sel=false",
 )
 SHORT = {"_append": "append", "_cmp_win": "cmp_win", "_score": "score", "_sel_": "sel", "_combine": "combine"}
 
@@ -44,8 +46,8 @@ def parse_variant(text: str, sms: int) -> tuple[str, kd.Tuning]:
     kw = {}
     for item in filter(None, body.split(",")):
         key, _, val = item.partition("=")
-        if key == "programs_per_sm":
-            kw["target_programs"] = int(val) * sms
+        if key in ("programs_per_sm", "cmp_per_sm"):  # per SM of this GPU
+            kw["target_programs" if key == "programs_per_sm" else "target_cmp"] = int(val) * sms
             continue
         if key not in fields:
             raise SystemExit(f"--variants: unknown Tuning field {key!r} (known: {', '.join(fields)})")

@@ -226,3 +226,17 @@ def test_bench_sel_triton_smoke(tmp_path):
         if seen:
             last[(h, blk)] = max(last.get((h, blk), 0), seen)
     assert sel.traffic(idx, 8) == (tokens, pairs, sum(last.values()))
+
+
+def test_tune_decode_variants_parse():
+    """Every default variant of bench/tune_decode.py names real Tuning fields (a typo would end a GPU run at its
+    first cell); per-SM counts scale with the GPU; unknown fields are refused with the known ones listed."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (the CPU lock pins it)")
+    tune = _load("tune_decode")
+    parsed = dict(tune.parse_variant(v, 132) for v in tune.DEFAULT_VARIANTS)
+    assert len(parsed) == len(tune.DEFAULT_VARIANTS) and parsed["base"] == tune.kd.Tuning()
+    assert parsed["c4"].target_cmp == 4 * 132 and parsed["p2"].target_programs == 2 * 132
+    assert parsed["win_in_cmp"].window_with_sel is False
+    with pytest.raises(SystemExit, match="unknown Tuning field 'nope'.*window_with_sel"):
+        tune.parse_variant("x:nope=1", 132)

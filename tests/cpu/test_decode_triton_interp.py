@@ -15,6 +15,7 @@ Skipped with the reason when triton does not import.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -70,12 +71,20 @@ def _check_case(case, *, max_len=None, tol=1e-5):
     return cache, idx
 
 
-def test_kernels_ragged_decode_equals_prefill(gen):
+@pytest.mark.parametrize("window_with_sel, uneven", [(True, False), (False, True)],
+                         ids=["window_in_sel_launch", "window_in_cmp_launch-uneven_cmp_shares"])
+def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel, uneven):
     # 0 -> first blocks; 37 -> window wraps at 40, block at 39, selection block at 40; 70 -> 2 compressed splits
+    # uneven: 49 compressed slots in 2 shares of 28 (cmp_align 4): the second tile of the first share is masked
+    extra = dict(cmp_align=4, target_cmp=12) if uneven else {}
+    monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, window_with_sel=window_with_sel, **extra))
     case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
-    cache, _ = _check_case(case)
+    cache, _ = _check_case(case, max_len=200 if uneven else None)
     ws = kd.workspace_for(cache, 4)
     assert ws.n_split_cmp >= 2 and ws.n_split_win >= 3 and ws.n_chunks >= 3 and ws.n_split_sel >= 2
+    assert ws.window_with_sel is window_with_sel
+    if uneven:
+        assert ws.blocks_per_split % ws.BLOCK_N != 0
     assert EVENTS <= all_events(case, cache)
     assert telemetry.served("sel")["triton_decode"] == 5
 

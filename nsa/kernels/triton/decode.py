@@ -10,20 +10,21 @@ row is loaded once per group. Softmax state is fp32 in the exp2 domain (logits *
 1. append (grid B x Hkv): writes the token into the raw K/V, the window ring and the raw compression ring;
    if a compressed block completes at t (t - l + 1 >= 0 and (t - l + 1) % d == 0), writes its mean
    (compress="mlp": the launcher runs phi in torch right after). Saves t in the workspace (`pos`).
-2. compressed + window attention (grid (n_split_cmp + n_split_win) x B*Hkv), flash-decoding style: a
-   program takes a contiguous share of the visible compressed blocks (or of the window slots) and writes
-   its partial (max, sum, unnormalised acc); compressed programs also keep the raw logits of their blocks
-   in a scratch row [G, max_blocks] (fp32) for the selection scores.
+2. compressed attention (grid n_split_cmp x B*Hkv), flash-decoding style: a program takes a contiguous
+   share of the visible compressed blocks and writes its partial (max, sum, unnormalised acc); it also
+   keeps the raw logits of its blocks in a scratch row [G, max_blocks] (fp32) for the selection scores.
 3. scores + top-n candidates (grid n_chunks x B*Hkv): the log-sum-exp of each head from the partials, then
    for a chunk of selection blocks j: score[j] = sum over the compressed blocks overlapping j (fixed
    order) of sum over the G heads (one reduction, the same for every block) of exp2(logit - lse). Every
    block's score goes through the same operations in the same order, so mathematically equal inputs give
    bitwise-equal scores. The chunk's best n non-forced candidates, as int64 keys (score bits << 32 |
    (2^31 - 1 - j)): larger key = higher score, then lower index, exactly the tie rule of top_n_blocks.
-4. selected attention (grid n_split_sel x B*Hkv): each program merges the chunks' candidates (the global
-   top-n of the candidates is the top-n of the chunks' top-n), adds the forced blocks (first n_init, the
-   n_local ending at t // l'), sorts the set ascending, then attends its share of the selected blocks
-   (tokens u <= t). Program 0 writes the indices [B, 1, Hkv, n_sel] (ascending, -1 padded).
+4. selected + window attention (grid (n_split_sel + n_split_win) x B*Hkv): each selection program merges
+   the chunks' candidates (the global top-n of the candidates is the top-n of the chunks' top-n), adds the
+   forced blocks (first n_init, the n_local ending at t // l'), sorts the set ascending, then attends its
+   share of the selected blocks (tokens u <= t). Program 0 writes the indices [B, 1, Hkv, n_sel] (ascending,
+   -1 padded). The window programs attend their share of the window ring's slots, partials like step 2.
+   (Tuning.window_with_sel=False moves them into step 2's launch.)
 5. combine (grid B*Hkv x Dv tiles): merges each branch's partials, applies the gates, writes o, and
    publishes cache_seqlens[b] = t + 1 (the only write to the lengths).
 
@@ -134,6 +135,26 @@ def _append_kernel(
 
 
 @triton.jit
+def _window_partial(q, t, KWIN, VWIN, b, h, w, Hkv, Dk, Dv, W, slots_per_split, qk_scale, rg, rn, rdk, rdv, dk_ok,
+                    dv_ok, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr):
+    """(m, l, acc) of window program w: its share of the ring's slots (every slot < min(t + 1, W) is a token of
+    the window; their order does not matter to the softmax)."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    lo = w * slots_per_split
+    hi = tl.minimum(lo + slots_per_split, tl.minimum(t + 1, W))
+    for n0 in range(lo, hi, BLOCK_N):
+        idx = n0 + rn
+        ok = idx < hi
+        row = (b * W + idx) * Hkv + h
+        _, m_i, l_i, acc = _attend_tile(
+            q, KWIN + row[:, None] * Dk + rdk[None, :], VWIN + row[:, None] * Dv + rdv[None, :],
+            ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _cmp_win_kernel(
     Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC,
     sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale,
@@ -154,10 +175,10 @@ def _cmp_win_kernel(
     q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
                 other=0.0)
     t = tl.load(POS + b).to(tl.int64)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     if sp < n_split_cmp:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
         n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
         lo = sp * blocks_per_split
         hi = tl.minimum(lo + blocks_per_split, n_vis)
@@ -169,16 +190,9 @@ def _cmp_win_kernel(
                 q, KCMP + row[:, None] * Dk + rdk[None, :], VCMP + row[:, None] * Dv + rdv[None, :],
                 ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
             tl.store(SCR + (bh * BLOCK_G + rg[:, None]) * NB + idx[None, :], s, mask=g_ok[:, None] & ok[None, :])
-    else:
-        lo = (sp - n_split_cmp) * slots_per_split
-        hi = tl.minimum(lo + slots_per_split, tl.minimum(t + 1, W))
-        for n0 in range(lo, hi, BLOCK_N):
-            idx = n0 + rn
-            ok = idx < hi
-            row = (b * W + idx) * Hkv + h
-            s, m_i, l_i, acc = _attend_tile(
-                q, KWIN + row[:, None] * Dk + rdk[None, :], VWIN + row[:, None] * Dv + rdv[None, :],
-                ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
+    else:  # window programs, when the launcher gives them to this kernel (Tuning.window_with_sel=False)
+        m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_cmp, Hkv, Dk, Dv, W, slots_per_split,
+                                        qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
     _store_partial(PM, PL, PACC, bh * n_parts + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)
 
 
@@ -268,8 +282,9 @@ def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.c
 
 @triton.jit
 def _sel_kernel(
-    Q, POS, CAND, KSEL, VSEL, IDX, PM, PL, PACC,
-    sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, n_cand, n_parts, part0, slots_per_prog, qk_scale,
+    Q, POS, CAND, KSEL, VSEL, KWIN, VWIN, IDX, PM, PL, PACC,
+    sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, W, n_cand, n_parts, part0, n_split_sel, n_split_cmp,
+    slots_per_prog, slots_per_split, qk_scale,
     BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
@@ -288,28 +303,35 @@ def _sel_kernel(
     q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
                 other=0.0)
     t = tl.load(POS + b).to(tl.int64)
-    # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
-    # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
-    srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
-    rk = tl.arange(0, N_PAD)
-    if sp == 0:
-        tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    r_lo = sp * slots_per_prog
-    r_hi = tl.minimum(r_lo + slots_per_prog, N_SEL)
-    for r in range(r_lo, r_hi):
-        jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
-        if jb >= 0:
-            for c in range(0, BLOCK_SEL, BLOCK_N):
-                u = jb * BLOCK_SEL + c + rn
-                ok = (c + rn < BLOCK_SEL) & (u <= t)
-                row = (b * max_len + u) * Hkv + h
-                _, m_i, l_i, acc = _attend_tile(
-                    q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
-                    ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
-    _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)
+    if sp >= n_split_sel:  # window programs (Tuning.window_with_sel): no merge, they start at once
+        m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_sel, Hkv, Dk, Dv, W, slots_per_split,
+                                        qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
+        _store_partial(PM, PL, PACC, bh * n_parts + n_split_cmp + sp - n_split_sel, m_i, l_i, acc, rg, rdv, BLOCK_G,
+                       BLOCK_DV)
+    else:
+        # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
+        # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
+        srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
+        rk = tl.arange(0, N_PAD)
+        if sp == 0:
+            tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        r_lo = sp * slots_per_prog
+        r_hi = tl.minimum(r_lo + slots_per_prog, N_SEL)
+        for r in range(r_lo, r_hi):
+            jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
+            if jb >= 0:
+                for c in range(0, BLOCK_SEL, BLOCK_N):
+                    u = jb * BLOCK_SEL + c + rn
+                    ok = (c + rn < BLOCK_SEL) & (u <= t)
+                    row = (b * max_len + u) * Hkv + h
+                    _, m_i, l_i, acc = _attend_tile(
+                        q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
+                        ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale,
+                        IEEE)
+        _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)
 
 
 @triton.jit
@@ -411,6 +433,13 @@ class Tuning:
     part_chunk: partials per combine load and branch (default 256 / padded G).
     warps_*: warps of each kernel; stages_cmp: pipeline depth of the compressed/window loop (default 2,
         fewer where shared memory is short).
+    target_cmp: compressed programs per launch, at most (default on CUDA: 3 per SM, one wave of the programs
+        an SM holds at once; with target_programs set: that, rounded up per (b, KV head)).
+    cmp_align: compressed blocks per program are a multiple of this (default block_n: whole tiles; 16 gave
+        64k x 8 12 programs of 5.5 tiles per (b, KV head) instead of 11 of 6, and measured no faster).
+    window_with_sel: the window's programs run in the selection launch (default), else in the compressed one.
+        The window needs no scores; beside the selection programs, which wait on the candidate merge, its
+        memory traffic overlaps theirs instead of lengthening the compressed launch, the longest of the step.
     Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
@@ -426,6 +455,9 @@ class Tuning:
     sel_splits: int | None = None
     tiles_per_program: int | None = None
     min_tiles: int = 3
+    target_cmp: int | None = None
+    cmp_align: int | None = None
+    window_with_sel: bool = True
 
 
 TUNING = Tuning()
@@ -445,22 +477,23 @@ class DecodeWorkspace:
         self.BLOCK_N = tuning.block_n or (64 if max(self.BLOCK_DK, self.BLOCK_DV) <= 128 else 32)
         self.BLOCK_N_SEL = min(max(16, _np2(cfg.block_sel)), self.BLOCK_N)
         BH = B * Hkv
-        if tuning.target_programs:
-            target = tuning.target_programs
-        elif device.type == "cuda":
-            target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            target = 64
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        target = tuning.target_programs or (4 * sms if sms else 64)
         self.target_programs = target
         per_bh = max(1, _cdiv(target, BH))
+        # Compressed launch: one wave of the three programs an SM holds (2 pipeline stages, 146 registers on
+        # sm_90), not a second, partial wave (H100, paper heads, 64k x 8: 32.6 -> 30.2 us; 4 per SM: 36.0).
+        target_cmp = tuning.target_cmp or (3 * sms if sms and not tuning.target_programs else None)
+        per_bh_cmp = max(1, target_cmp // BH) if target_cmp else per_bh
         bn = self.BLOCK_N
         NB = cache.cmp_capacity
         W = cache.window_slots
         if tuning.tiles_per_program:  # every compressed and window program the same work: no long stragglers
             self.blocks_per_split = self.slots_per_split = tuning.tiles_per_program * bn
         else:  # about target_programs in all, at least min_tiles tiles each
-            n_split = min(per_bh, _cdiv(NB, bn))
-            self.blocks_per_split = max(_cdiv(_cdiv(NB, n_split), bn), tuning.min_tiles) * bn
+            n_split = min(per_bh_cmp, _cdiv(NB, bn))
+            align = tuning.cmp_align or bn  # shares of cmp_align blocks: even shares (the last tile masked)
+            self.blocks_per_split = max(_cdiv(_cdiv(NB, n_split), align) * align, tuning.min_tiles * bn)
             n_split = min(per_bh, _cdiv(W, bn))
             self.slots_per_split = max(_cdiv(_cdiv(W, n_split), bn), tuning.min_tiles) * bn
         self.n_split_cmp = _cdiv(NB, self.blocks_per_split)
@@ -471,6 +504,10 @@ class DecodeWorkspace:
         self.slots_per_prog = _cdiv(cfg.n_sel, min(sel_splits, cfg.n_sel))
         self.n_split_sel = _cdiv(cfg.n_sel, self.slots_per_prog)
         self.n_parts = self.n_split_cmp + self.n_split_win + self.n_split_sel
+        self.window_with_sel = tuning.window_with_sel
+        win = self.n_split_win
+        self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
+        self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
         self.NJ = cfg.n_sel_blocks(cache.max_len)
         # 64 selection blocks per scoring program: many programs even for one sequence, and a cheap rank-based
         # top-n per chunk (64 x 64 comparisons).
@@ -498,6 +535,8 @@ class DecodeWorkspace:
             # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
             self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low))
             self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
+            if self.window_with_sel:  # its window loop is pipelined like the compressed one
+                self.stages_sel = min(self.stages_sel, self.stages_cmp)
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
         self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
@@ -510,8 +549,9 @@ class DecodeWorkspace:
 
     def describe(self) -> str:
         """The split plan, e.g. "cmp17x256/win8x64/sel16x1/chunks5x256" (programs x items per program)."""
+        win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
-                f"sel{self.n_split_sel}x{self.slots_per_prog}/chunks{self.n_chunks}x{self.CHUNK_J}")
+                f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}")
 
 
 def _max_shared_mem(device) -> int:
@@ -579,7 +619,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
     )
     if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
         cache.compress_step(compress_fn)
-    _cmp_win_kernel[(ws.n_split_cmp + ws.n_split_win, BH)](
+    _cmp_win_kernel[(ws.grid_cmp, BH)](
         q, ws.pos, cache.k_cmp, cache.v_cmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
         ws.n_parts, qk_scale,
@@ -594,10 +634,11 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
         SPLIT_PAD=ws.SPLIT_PAD, **_launch_opts(device, ws.tuning.warps_score),
     )
-    _sel_kernel[(ws.n_split_sel, BH)](
-        q, ws.pos, ws.cand, cache.k_sel, cache.v_sel, idx, ws.pm, ws.pl, ws.pacc,
-        q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, ws.n_cand,
-        ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.slots_per_prog, qk_scale,
+    _sel_kernel[(ws.grid_sel, BH)](
+        q, ws.pos, ws.cand, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,
+        q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, W, ws.n_cand,
+        ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.n_split_sel, ws.n_split_cmp, ws.slots_per_prog,
+        ws.slots_per_split, qk_scale,
         BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
         NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
         IEEE=ieee, **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel"),

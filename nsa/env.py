@@ -32,7 +32,7 @@ from typing import Any
 from nsa import toolchain, upstream
 
 SCHEMA = "nsa-env/1"
-BACKENDS = ("reference", "torch", "sdpa", "torch_flash", "flash_attn", "triton_sel")
+BACKENDS = ("reference", "torch", "sdpa", "torch_flash", "torch_cudnn", "flash_attn", "triton_sel")
 FA2_MIN_SM = 8.0
 FA2_MAX_HEAD_DIM = 256
 ADA_SM = "8.9"
@@ -202,10 +202,12 @@ def _sdpa_facts() -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """The full report (see `python -m nsa.env --json`)."""
+    from nsa.kernels.fa2.torch_cudnn import torch_cudnn_status
     from nsa.kernels.flash_wrappers import torch_flash_status, torch_flash_varlen_status
 
     tf_ok, tf_why = torch_flash_varlen_status()
     op_ok, op_why = torch_flash_status()
+    cd_ok, cd_why = torch_cudnn_status()
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "python": {
@@ -226,6 +228,8 @@ def collect() -> dict[str, Any]:
         "torch_flash_varlen": {"available": tf_ok, "reason": tf_why},
         # What the torch_flash backend calls (nsa/kernels/fa2/torch_flash.py).
         "torch_flash_op": {"available": op_ok, "reason": op_why},
+        # What torch_cudnn calls (nsa/kernels/fa2/torch_cudnn.py; the dense compressed branch on sm 9.0).
+        "torch_cudnn_op": {"available": cd_ok, "reason": cd_why},
         "sdpa": _sdpa_facts(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         # What building flash-attn and Triton's launchers need (nsa-env doctor).
@@ -296,6 +300,10 @@ def backend_availability(report: dict[str, Any] | None = None) -> dict[str, tupl
         out["sdpa"] = (False, f"torch {t['version']} has no scaled_dot_product_attention")
     tf = report.get("torch_flash_op") or report["torch_flash_varlen"]
     out["torch_flash"] = (bool(tf["available"]), tf["reason"])
+    cd = report.get("torch_cudnn_op") or {"available": False, "reason": "not in this report (older nsa.env)"}
+    if cd["available"] and (sm is None or sm < 9.0):
+        cd = {"available": False, "reason": f"cuDNN attention is used on sm 9.0 and newer only ({where})"}
+    out["torch_cudnn"] = (bool(cd["available"]), cd["reason"])
     fa = report["flash_attn"]
     out["flash_attn"] = (bool(fa.get("varlen_runnable")), fa.get("varlen_reason") or fa.get("error") or "")
     out["triton_sel"] = _triton_sel(report, sm)

@@ -6,10 +6,12 @@ Steps: cmp (compressed attention + its LSE), topn (the selection blocks), sel (s
 in nsa.telemetry as (step, provider, reason), and returns a Plan whose steps carry callables with the
 branch signatures of nsa.branches (provider context already bound).
 
-cmp and win, backend="auto": flash_attn -> torch_flash -> sdpa -> torch. A provider that is not
-available here (not installed, no GPU) is skipped silently: that is the environment, reported by
-`python -m nsa.env`. One that is available but whose guard fails is a fallback: counted with the reason
-of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces that provider for cmp
+cmp and win, backend="auto": flash_attn -> torch_flash -> sdpa -> torch, and before them, for the compressed
+branch of dense fp16/bf16 input on sm 9.0 with head dims <= 128, torch_cudnn (cuDNN attention, faster
+there; nsa.kernels.fa2.torch_cudnn says why it is tried nowhere else; NSA_USE_CUDNN=0 skips it). A
+provider that is not available here (not installed, no GPU) is skipped silently: that is the environment,
+reported by `python -m nsa.env`. One that is available but whose guard fails is a fallback: counted with
+the reason of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces that provider for cmp
 and win (NSAInputError with the reason when it cannot run; forcing skips only the min-length threshold).
 sel follows `sel_backend` (argument, else NSA_SEL_BACKEND, default "auto"): auto runs the Triton kernel
 when available and its guards pass, "torch" keeps it on torch, "triton_sel" forces it. topn runs on its
@@ -41,6 +43,7 @@ from .branches.sliding.fa2 import sliding_fa2
 from .branches.sliding.sdpa import sliding_sdpa
 from .kernels.fa2.base import CallContext
 from .kernels.fa2.flash_attn import FlashAttnProvider
+from .kernels.fa2.torch_cudnn import TorchCudnnProvider
 from .kernels.fa2.torch_flash import TorchFlashProvider
 from .kernels.sdpa import SdpaProvider
 from .kernels.triton.provider import TritonProvider
@@ -49,6 +52,7 @@ from .validation import NSAInputError, Shapes
 BACKENDS = ("auto", "torch", "reference", "flash_attn", "torch_flash", "sdpa")
 ORDER = ("flash_attn", "torch_flash", "sdpa")
 PROVIDERS = {"flash_attn": FlashAttnProvider(), "torch_flash": TorchFlashProvider(), "sdpa": SdpaProvider()}
+CUDNN = TorchCudnnProvider()  # tried first where it applies (dense compressed branch on sm90), auto only
 TRITON = {"sel": TritonProvider("sel"), "topn": TritonProvider("topn"), "combine": TritonProvider("combine")}
 SEL_BACKENDS = _toggles.SEL_BACKENDS
 STEPS = ("cmp", "topn", "sel", "win", "combine")
@@ -56,7 +60,8 @@ STEPS = ("cmp", "topn", "sel", "win", "combine")
 
 @dataclass
 class Step:
-    provider: str  # what serves the step: torch, flash_attn, torch_flash, sdpa, triton, reference, given
+    provider: str  # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, reference,
+    # given
     reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
     fn: Callable | None = None  # whole-T implementation (branch signature); None: the chunked torch path
     detail: str = ""
@@ -78,8 +83,9 @@ class Plan:
         return {"executor": self.executor, **{k: s.provider for k, s in self.steps.items()}}
 
 
-def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg) -> tuple[str, str, str]:
-    """(provider name or "torch", reason, detail) for cmp or win. Raises when forced and impossible."""
+def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg, n_cmp: int = 0) -> tuple[str, str, str]:
+    """(provider name or "torch", reason, detail) for cmp or win (n_cmp: compressed blocks of the longest
+    sequence). Raises when forced and impossible."""
     if backend in PROVIDERS:
         prov = PROVIDERS[backend]
         ok, why = prov.availability(ctx.device, forced=True)
@@ -89,6 +95,9 @@ def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg) -> tuple[str, s
         if fail:
             raise NSAInputError(f"backend={backend!r} cannot serve the {branch} branch: {fail}")
         return backend, "forced", ""
+    if CUDNN.applies(branch, ctx, tg, n_cmp) and CUDNN.availability(ctx.device, forced=False)[0] and (
+            CUDNN.guard(branch, ctx, tg, forced=False) is None):
+        return CUDNN.name, "ok", ""  # where its guards fail, the FA-2 order below decides (and records why)
     first_fail = None
     for name in ORDER:
         prov = PROVIDERS[name]
@@ -180,12 +189,12 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
                                               ("win", kv_win, sliding_fa2, sliding_sdpa)):
         kb, vb = pair or (k, v)
         ctx = ctx_for(kb, vb, [q, kb, vb])
-        name, reason, detail = _fa2_choice(branch, backend, ctx, tg)
+        name, reason, detail = _fa2_choice(branch, backend, ctx, tg, cfg.n_cmp_blocks(ctx.max_len))
         fn = None
         if name == "sdpa":
             fn = functools.partial(impl_sdpa, tg)
         elif name != "torch":
-            fn = functools.partial(impl_fa2, PROVIDERS[name], ctx, tg)
+            fn = functools.partial(impl_fa2, CUDNN if name == CUDNN.name else PROVIDERS[name], ctx, tg)
         steps[branch] = Step(name, reason, fn, detail)
 
     sel_ctx = ctx_for(k, v, [q, k, v])

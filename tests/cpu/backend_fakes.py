@@ -7,6 +7,7 @@ import torch
 
 from nsa import plan, telemetry
 from nsa.kernels.fa2.flash_attn import FlashAttnProvider
+from nsa.kernels.fa2.torch_cudnn import TorchCudnnProvider
 from nsa.kernels.fa2.torch_flash import TorchFlashProvider
 from nsa.kernels.sdpa import SdpaProvider
 
@@ -14,13 +15,22 @@ from . import fa2_emulation as emulate
 
 ENV = ("NSA_USE_FA2", "NSA_USE_FA2_WIN", "NSA_USE_FA2_CMP", "NSA_FA2_MIN_LEN_WIN", "NSA_FA2_MIN_LEN_CMP",
        "NSA_FA2_FORCE", "NSA_FA2_FORCE_VARLEN", "NSA_FA2_FORCE_DENSE", "NSA_FA2_PREF_FP16", "NSA_DEBUG_TIMING",
-       "NSA_SDPA_CHUNK")
+       "NSA_SDPA_CHUNK", "NSA_USE_CUDNN")
 
 
 def emulated(name: str, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)):
     prov = (TorchFlashProvider(kernel=emulate.aten_flash_attention_forward) if name == "torch_flash"
             else FlashAttnProvider(module=emulate.FakeFlashAttnModule))
     prov.allow_cpu = True
+    prov.kernel_dtypes = dtypes
+    return prov
+
+
+def emulated_cudnn(capability=(9, 0), dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)):
+    """torch_cudnn on CPU: the emulated cuDNN op, a pretended GPU of `capability`."""
+    prov = TorchCudnnProvider(kernel=emulate.aten_cudnn_attention)
+    prov.allow_cpu = True
+    prov.capability = capability
     prov.kernel_dtypes = dtypes
     return prov
 

@@ -53,6 +53,7 @@ def h100_report() -> dict:
             "varlen_reason": "flash_attn 2.8.3 varlen",
         },
         "torch_flash_varlen": {"available": True, "reason": "torch 2.11.0+cu130 varlen_attn"},
+        "torch_cudnn_op": {"available": True, "reason": "ok"},
         "sdpa": {"function": True, "flash_enabled": True},
         "env": {},
         "cell": "cu130-torch2.11-py312",
@@ -77,6 +78,7 @@ def cpu_report() -> dict:
         "varlen_reason": "flash-attn is not installed",
     }
     r["torch_flash_varlen"] = {"available": False, "reason": "torch 2.13.0+cpu is a CPU build"}
+    r["torch_cudnn_op"] = {"available": False, "reason": "no CUDA device"}
     return r
 
 

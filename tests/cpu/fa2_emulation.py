@@ -108,3 +108,23 @@ class FakeFlashAttnModule:
     __version__ = "emulated"
     flash_attn_func = staticmethod(flash_attn_func)
     flash_attn_varlen_func = staticmethod(flash_attn_varlen_func)
+
+
+def aten_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
+                         *, scale=None):
+    """Emulates torch.ops.aten._scaled_dot_product_cudnn_attention: q [B, H, Sq, D], k/v [B, Hkv, Sk, D]
+    (GQA), causal aligned to the TOP-LEFT corner (row i sees keys j <= i), LSE [B, H, Sq, 1] natural log."""
+    assert attn_bias is None and dropout_p == 0.0 and compute_log_sumexp and is_causal
+    B, H, Sq, D = query.shape
+    Hkv, Sk = key.shape[1], key.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    kx = key.repeat_interleave(H // Hkv, 1)
+    vx = value.repeat_interleave(H // Hkv, 1)
+    logits = (query @ kx.transpose(-1, -2)) * scale
+    i = torch.arange(Sq, device=query.device)[:, None]
+    j = torch.arange(Sk, device=query.device)[None, :]
+    logits = logits.masked_fill(j > i, float("-inf"))
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    out = torch.softmax(logits, -1) @ vx
+    return out, lse.detach().float(), None, None, Sq, Sk, None, None, None
+

@@ -71,10 +71,17 @@ def test_backends_all_ok_on_a_healthy_h100():
     assert all(ok for ok, _ in b.values()), b
 
 
+def test_cudnn_attention_is_reported_unused_before_hopper():
+    r = h100_report()
+    r["gpus"][0]["sm"] = "8.0"
+    ok, why = env.backend_availability(r)["torch_cudnn"]
+    assert not ok and "sm 9.0" in why
+
+
 def test_backends_on_cpu_with_and_without_interpreter():
     r = cpu_report()
     b = env.backend_availability(r)
-    assert not b["torch_flash"][0] and not b["flash_attn"][0]
+    assert not b["torch_flash"][0] and not b["flash_attn"][0] and not b["torch_cudnn"][0]
     assert not b["triton_sel"][0] and "TRITON_INTERPRET=1" in b["triton_sel"][1]
     r["triton"]["interpreter"] = True
     assert env.backend_availability(r)["triton_sel"][0]

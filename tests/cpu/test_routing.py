@@ -1,6 +1,6 @@
-"""Per-branch routing (flash_attn -> torch_flash -> sdpa -> torch), its telemetry, forcing, and the FA-2
-providers' math (compressed-branch group folding, window, varlen, head-dim padding) against the torch
-path through emulated kernels (tests/cpu/fa2_emulation.py), exactly in fp64."""
+"""Per-branch routing (torch_cudnn where it applies, flash_attn -> torch_flash -> sdpa -> torch), its telemetry,
+forcing, and the providers' math (compressed-branch group folding, window, varlen, head-dim padding) against
+the torch path through emulated kernels (tests/cpu/fa2_emulation.py), exactly in fp64."""
 
 from __future__ import annotations
 
@@ -141,6 +141,85 @@ def test_debug_timing_buckets(fakes, gen, clean_env):
     nsa_attention(q, k, v, g, CFG)
     t = telemetry.snapshot()["timings"]
     assert t["cmp.flash_attn"]["calls"] == 1 and t["win.flash_attn"]["calls"] == 1
+
+
+# --- torch_cudnn: the dense compressed branch on sm 9.0, through an emulation of cuDNN's top-left mask ---
+
+
+@pytest.fixture
+def cudnn(fakes, clean_env):
+    prov = backend_fakes.emulated_cudnn()
+    clean_env.setattr(plan, "CUDNN", prov)
+    return prov
+
+
+@pytest.mark.parametrize("cfg_name", sorted(CFGS))
+@pytest.mark.parametrize("T", [1, 8, 9, 37, 64])
+def test_cudnn_serves_the_dense_compressed_branch_exactly(cudnn, gen, cfg_name, T):
+    """The compressed branch's bottom-right causal attention from cuDNN's top-left one (the last T_cmp query
+    groups; the first l/d see nothing): outputs, blocks and gradients equal the torch path's in fp64."""
+    cfg = CFGS[cfg_name]
+    q, k, v, g = make_inputs(gen, 2, T, 4, 2, 16, 8, requires_grad=True)  # Dk != Dv: v padded to 16
+    w = torch.randn(q.shape[:3] + (8,), generator=gen, dtype=torch.float64)
+    want, want_idx = nsa_attention(q, k, v, g, cfg, backend="torch", return_indices=True)
+    telemetry.reset()
+    got, idx = nsa_attention(q, k, v, g, cfg, return_indices=True)
+    serves = "torch_cudnn" if cfg.n_cmp_blocks(T) >= 2 else "flash_attn"  # cuDNN refuses a 1 x 1 attention
+    assert counts()[("cmp", serves, "ok")] == 1 and counts()[("win", "flash_attn", "ok")] == 1
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(idx, want_idx)
+    grads = [torch.autograd.grad((o * w).sum(), (q, k, v, g)) for o in (
+        nsa_attention(q, k, v, g, cfg, backend="torch", block_indices=idx),
+        nsa_attention(q, k, v, g, cfg, block_indices=idx))]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["packed", "sm80", "head_dim_192", "NSA_USE_CUDNN=0", "force_varlen", "forced",
+                                  "one_block"])
+def test_cudnn_is_not_a_candidate_outside_its_domain(cudnn, gen, clean_env, case):
+    """Outside dense input on sm 9.0 with head dims <= 128 and >= 2 compressed blocks the FA-2 order decides,
+    and no fallback is counted."""
+    Dk = 192 if case == "head_dim_192" else 16
+    T = 11 if case == "one_block" else 40  # l=8, d=4: 1 block at T=11, 9 at T=40
+    assert CFG.n_cmp_blocks(T) == (1 if case == "one_block" else 9)
+    q, k, v, g = make_inputs(gen, 1, T, 4, 2, Dk, 16)
+    kw = {}
+    if case == "packed":
+        q, k, v, g, kw["cu_seqlens"] = _packed(gen, [17, 23], 4, 2, 16, 16)
+    elif case == "sm80":
+        cudnn.capability = (8, 0)
+    elif case == "NSA_USE_CUDNN=0":
+        clean_env.setenv("NSA_USE_CUDNN", "0")
+    elif case == "force_varlen":
+        clean_env.setenv("NSA_FA2_FORCE_VARLEN", "1")
+    elif case == "forced":
+        kw["backend"] = "torch_flash"
+    nsa_attention(q, k, v, g, CFG, **kw)
+    want = "torch_flash" if case == "forced" else "flash_attn"
+    assert counts()[("cmp", want, "forced" if case == "forced" else "ok")] == 1
+    assert not any(b == "torch_cudnn" for _, b, _ in counts()) and telemetry.snapshot()["fallbacks"] == 0
+
+
+def test_cudnn_provider_bottom_right_causal_matches_fa2_contract(gen):
+    """Called directly with seqlen_q > seqlen_k, torch_cudnn keeps FA-2's contract (bottom-right causal, empty
+    rows: output 0, LSE +inf), from a top-left kernel."""
+    q = torch.randn(2, 7, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    got = backend_fakes.emulated_cudnn().attn(q, k, v, causal=True, left=-1, scale=0.3, varlen=None, need_lse=True)
+    want = emulated("torch_flash").attn(q, k, v, causal=True, left=-1, scale=0.3, varlen=None, need_lse=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1].float(), rtol=1e-6, atol=1e-6)
+    assert torch.isinf(got[1][:, :, :3]).all() and (got[0][:, :3] == 0).all()
+
+
+def test_cudnn_provider_refuses_what_it_cannot_compute():
+    prov = backend_fakes.emulated_cudnn()
+    q, k = torch.zeros(1, 5, 2, 8), torch.zeros(1, 3, 1, 8)
+    with pytest.raises(ValueError, match="bottom-right causal attention only"):
+        prov.attn(q, k, k, causal=True, left=4, scale=1.0, varlen=None, need_lse=True)
+    with pytest.raises(ValueError, match="seqlen_q >= seqlen_k"):
+        prov.attn(k, q, q, causal=True, left=-1, scale=1.0, varlen=None, need_lse=True)
 
 
 # --- the FA-2 providers' math through the emulated kernels, exact in fp64 ----------------------------

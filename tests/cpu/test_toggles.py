@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from nsa import NSAInputError, toggles
@@ -14,6 +17,7 @@ clean_env = backend_fakes.clean_env
 def test_defaults(clean_env):
     t = toggles.read()
     assert t.use_fa2 and t.use_fa2_win and t.use_fa2_cmp and t.fa2_enabled("cmp") and t.fa2_enabled("win")
+    assert t.use_cudnn
     assert t.min_len_win is None and t.min_len_cmp is None and t.pref_fp16 is None
     assert not (t.force or t.force_varlen or t.force_dense or t.debug_timing)
     assert not t.fa2_enabled("sel")
@@ -34,7 +38,7 @@ def test_read_at_call_time(clean_env):
     assert toggles.read().min_len("cmp") == 4096
 
 
-@pytest.mark.parametrize("var,raw", [("NSA_USE_FA2", "maybe"), ("NSA_FA2_MIN_LEN_WIN", "1k"),
+@pytest.mark.parametrize("var,raw", [("NSA_USE_FA2", "maybe"), ("NSA_USE_CUDNN", "2"), ("NSA_FA2_MIN_LEN_WIN", "1k"),
                                      ("NSA_FA2_MIN_LEN_CMP", "-1"), ("NSA_SDPA_CHUNK", "0")])
 def test_malformed_values_raise_naming_the_variable(clean_env, var, raw):
     clean_env.setenv(var, raw)
@@ -54,3 +58,13 @@ def test_pref_fp16_tristate(clean_env, raw, want):
     if raw is not None:
         clean_env.setenv("NSA_FA2_PREF_FP16", raw)
     assert toggles.read().pref_fp16 is want
+
+
+def test_every_toggle_is_in_the_docs_table():
+    """Each NSA_* variable toggles.read() parses has its row in docs/backends.md (name, default, meaning)."""
+    src = Path(toggles.__file__).read_text()
+    names = set(re.findall(r'env_\w+\("(NSA_\w+)"', src)) | set(re.findall(r'environ.get\("(NSA_\w+)"\)', src))
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "backends.md").read_text()
+    assert "NSA_USE_CUDNN" in names and len(names) >= 15
+    assert {n for n in names if f"| `{n}` |" not in doc} == set()
+

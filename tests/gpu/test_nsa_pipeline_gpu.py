@@ -1,7 +1,8 @@
 """The fused GPU pipeline (nsa_attention, backend="auto" on CUDA) against the fp64 oracle, and its top-n.
 
-Every test asserts from telemetry that the fused executor ran: cmp and win on FA-2, topn, sel and
-combine on the Triton kernels, zero fallbacks. Outputs and gradients (q, k, v, gates) are compared
+Every test asserts from telemetry that the fused executor ran: cmp on cuDNN attention where it applies
+(dense, sm 9.0+, head dims <= 128, >= 2 compressed blocks) else on FA-2, win on FA-2, topn, sel and combine
+on the Triton kernels, zero fallbacks. Outputs and gradients (q, k, v, gates) are compared
 with the fp64 reference run with the same block indices (top-n is discontinuous; the index agreement is
 measured separately). Small T uses nsa.reference on the CPU; long T the fp64 torch backend on the GPU
 (itself checked against the reference in the CPU suite).
@@ -10,6 +11,7 @@ measured separately). Small T uses nsa.reference on the CPU; long T the fp64 tor
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -40,10 +42,21 @@ def make(gen, B, T, Hq, Hkv, Dk, Dv, dtype):
     return q, k, v, g
 
 
-def assert_fused():
+FA2 = {"flash_attn", "torch_flash"}
+
+
+def cmp_providers(q, v, cu, cfg) -> set:
+    """Who must serve the compressed branch: cuDNN attention for dense input on sm 9.0+ with head dims <= 128
+    and >= 2 compressed blocks (unless NSA_USE_CUDNN=0), else a FlashAttention-2 provider."""
+    cudnn = (cu is None and torch.cuda.get_device_capability() >= (9, 0) and max(q.shape[-1], v.shape[-1]) <= 128
+             and cfg.n_cmp_blocks(q.shape[1]) >= 2 and os.environ.get("NSA_USE_CUDNN", "1") != "0")
+    return {"torch_cudnn"} if cudnn else FA2
+
+
+def assert_fused(cmp=FA2):
     snap = telemetry.snapshot()
     served = {s: telemetry.served(s) for s in ("cmp", "topn", "sel", "win", "combine")}
-    assert set(served["cmp"]) <= {"flash_attn", "torch_flash"} and served["cmp"], snap["counts"]
+    assert set(served["cmp"]) <= cmp and served["cmp"], snap["counts"]
     assert set(served["win"]) <= {"flash_attn", "torch_flash"} and served["win"], snap["counts"]
     for s in ("sel", "combine"):
         assert set(served[s]) == {"triton"}, snap["counts"]
@@ -66,13 +79,14 @@ def check(gen, q, k, v, g, cfg, cu=None, on_gpu=False):
     blocks. Returns the fraction of (token, KV head) index sets the fused top-n shares with the oracle."""
     dtype = q.dtype
     want, ref_idx = oracle(q, k, v, g, cfg, cu=cu, on_gpu=on_gpu)
+    cmp = cmp_providers(q, v, cu, cfg)
     telemetry.reset()
     _, idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, return_indices=True)
-    assert_fused()
+    assert_fused(cmp)
     same_sets = (idx == ref_idx).all(-1).float().mean().item() if idx.numel() else 1.0
     telemetry.reset()
     out = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, block_indices=ref_idx)
-    assert_fused()
+    assert_fused(cmp)
     assert torch.isfinite(out).all()
     assert err(out, want) < TOL[dtype]
     if q.shape[1] > 0:
@@ -122,6 +136,18 @@ def test_fused_packed(gen, dtype, lengths):
     check(gen, q, k, v, g, PAPER, cu=cu, on_gpu=T > 2000)
 
 
+@pytest.mark.parametrize("T", [32, 48, 1500])  # 1, 2 and 92 compressed blocks
+@pytest.mark.parametrize("use_cudnn", ["1", "0"])
+def test_fused_compressed_on_cudnn_and_on_fa2(gen, fused_env, use_cudnn, T):
+    """The dense D=128 case both ways: cuDNN attention (sm 9.0+, from 2 blocks) and, with NSA_USE_CUDNN=0,
+    FA-2."""
+    fused_env.setenv("NSA_USE_CUDNN", use_cudnn)
+    q, k, v, g = make(gen, 2, T, 16, 2, 128, 128, torch.bfloat16)
+    want = {"torch_cudnn"} if use_cudnn == "1" and T > 32 and torch.cuda.get_device_capability() >= (9, 0) else FA2
+    assert cmp_providers(q, v, None, PAPER) == want
+    check(gen, q, k, v, g, PAPER)  # asserts from telemetry that `want` served every fused call
+
+
 def test_fused_batch_and_other_config(gen):
     cfg = NSAConfig(block_cmp=64, stride_cmp=16, block_sel=32, n_sel=8, n_init=2, n_local=1, window=100)
     q, k, v, g = make(gen, 3, 500, 8, 2, 64, 32, torch.bfloat16)
@@ -141,7 +167,7 @@ def test_no_host_sync_dense(gen):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert_fused()
+    assert_fused(cmp_providers(q, v, None, PAPER))
 
 
 # --- the top-n kernel alone: index sets against the fp64 top-n, mismatches only at near-ties ----------
@@ -220,7 +246,7 @@ def test_topn_ties_go_to_lower_index(gen):
         xs = [x.to("cuda", dtype) for x in (q, k, v, g)]
         telemetry.reset()
         _, idx = nsa_attention(*xs, cfg, return_indices=True)
-        assert_fused()
+        assert_fused(cmp_providers(xs[0], xs[2], None, cfg))
         ref_lp = nsa_reference(*[x.double().cpu() for x in xs], cfg)
         rate = (idx.cpu() == ref_lp.indices).all(-1).float().mean().item()
         assert rate > 0.99, (dtype, rate)

@@ -30,13 +30,17 @@ def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_c
     if plan.n_cmp == 0 or T == 0:  # no block anywhere: every row is empty
         return q.new_zeros(B, T, Hq, Dv), q.new_full((B, T, Hq), float("-inf"), dtype=torch.float32)
     qf, kf, vf = prov.prep((fold_q(q_in, plan), k_in, v_in), ctx, toggles, "cmp")
+    skip = 0
     if varlen:
         o, lse = prov.attn(qf, kf[0], vf[0], causal=True, left=-1, scale=scale,
                            varlen=(plan.cu_q, plan.cu_k, plan.max_q, plan.max_k), need_lse=True)
     else:
-        o, lse = prov.attn(qf, kf, vf, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
-    o = unfold_o(o[..., :Dv], plan).to(q.dtype)
-    lse = unfold_lse(lse, plan)
+        # The first l/d groups see no block: not computed, so the call is square (Ng - l/d == T_cmp), where
+        # bottom-right and top-left causal agree (torch_cudnn has only the latter).
+        skip = plan.n_groups - plan.n_cmp
+        o, lse = prov.attn(qf[:, skip:], kf, vf, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
+    o = unfold_o(o[..., :Dv], plan, skip).to(q.dtype)
+    lse = unfold_lse(lse, plan, skip)
     if varlen and not ctx.packed:
         o, lse = o.reshape(B, T, Hq, Dv), lse.reshape(B, T, Hq)
     return o, lse

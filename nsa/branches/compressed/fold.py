@@ -95,24 +95,35 @@ def fold_q(q: torch.Tensor, p: FoldPlan) -> torch.Tensor:
     return buf.reshape(p.n_groups, p.heads, D)
 
 
-def unfold_o(o: torch.Tensor, p: FoldPlan) -> torch.Tensor:
-    """Kernel output (folded) -> [B, T, Hq, Dv]."""
+def unfold_o(o: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
+    """Kernel output (folded) -> [B, T, Hq, Dv]. Dense: `skip` leading groups were not computed (they see no
+    block): their z = skip*d - 1 tokens get 0, written with the rest in one copy."""
     Dv = o.shape[-1]
     if not p.varlen:
-        o = o.view(p.B, p.n_groups, p.Hkv, p.d, p.G, Dv).permute(0, 1, 3, 2, 4, 5)
-        o = o.reshape(p.B, p.n_groups * p.d, p.Hkv * p.G, Dv)
-        return o[:, 1:p.T + 1]
+        ng = p.n_groups - skip
+        o = o.view(p.B, ng, p.Hkv, p.d, p.G, Dv).permute(0, 1, 3, 2, 4, 5)
+        if skip == 0:
+            return o.reshape(p.B, p.n_groups * p.d, p.Hkv * p.G, Dv)[:, 1:p.T + 1]
+        z = skip * p.d - 1  # tokens before the first computed group; z + ng*d >= T
+        out = o.new_empty(p.B, z + ng * p.d, p.Hkv * p.G, Dv)
+        out[:, :z].zero_()
+        out[:, z:].view(p.B, ng, p.d, p.Hkv, p.G, Dv).copy_(o)
+        return out[:, :p.T]
     o = o.view(p.n_groups, p.Hkv, p.d, p.G, Dv).permute(0, 2, 1, 3, 4)
     o = o.reshape(p.n_groups * p.d, p.Hkv * p.G, Dv)
     return o.index_select(0, p.rows)[None]
 
 
-def unfold_lse(lse: torch.Tensor, p: FoldPlan) -> torch.Tensor:
-    """Kernel LSE (dense [B, H', Ng]; varlen [H', NG]) -> [B, T, Hq] fp32, -inf where nothing is visible."""
+def unfold_lse(lse: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
+    """Kernel LSE (dense [B, H', Ng - skip]; varlen [H', NG]) -> [B, T, Hq] fp32, -inf where nothing is
+    visible (the `skip` leading groups of dense input, as in unfold_o, too)."""
     lse = lse.detach().float()
     if not p.varlen:
-        lse = lse.view(p.B, p.Hkv, p.d, p.G, p.n_groups).permute(0, 4, 2, 1, 3)
-        lse = lse.reshape(p.B, p.n_groups * p.d, p.Hkv * p.G)[:, 1:p.T + 1]
+        ng = p.n_groups - skip
+        lse = lse.view(p.B, p.Hkv, p.d, p.G, ng).permute(0, 4, 2, 1, 3).reshape(p.B, ng * p.d, p.Hkv * p.G)
+        if skip:
+            lse = torch.cat([lse.new_full((p.B, skip * p.d, p.Hkv * p.G), float("-inf")), lse], dim=1)
+        lse = lse[:, 1:p.T + 1]
     else:
         lse = lse.view(p.Hkv, p.d, p.G, p.n_groups).permute(3, 1, 0, 2)
         lse = lse.reshape(p.n_groups * p.d, p.Hkv * p.G).index_select(0, p.rows)[None]

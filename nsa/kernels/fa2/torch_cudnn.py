@@ -1,0 +1,92 @@
+"""`torch_cudnn`: PyTorch's cuDNN attention (torch.ops.aten._scaled_dot_product_cudnn_attention) for the
+compressed branch of dense input on Hopper.
+
+Why: the folded compressed attention (nsa.branches.compressed.fold) is one causal attention of Ng query
+groups over T_cmp = Ng - l/d compressed blocks with GQA group d*G. On an H100 (bf16, 1024 folded query
+heads over 4 KV heads, D=128) cuDNN runs it in 8.1 ms forward and 33.2 ms forward+backward at T=64k where
+FA-2 takes 13.2 and 51.8 ms; it returns the log-sum-exp the top-n step needs and has an autograd formula.
+
+What it cannot do, and why it is only tried where it applies (`applies`): its causal mask is aligned to the
+top-left corner and it has no sliding window, no varlen entry point in every torch, and the head dims its
+backward supports depend on the cuDNN release. So planning tries it first for the compressed branch of
+dense input on sm 9.0 with head dims <= 128, fp16/bf16 inputs and at least two compressed blocks, and nowhere
+else: elsewhere it is not a candidate (no fallback is counted), and the FA-2 providers serve as before.
+NSA_USE_CUDNN=0 turns it off.
+
+Bottom-right alignment from top-left: with Tq >= Tk, rows i < Tq - Tk see no key and rows i >= Tq - Tk see
+keys j <= i - (Tq - Tk): the last Tk rows are a square top-left causal attention. Those rows go to cuDNN;
+the first Tq - Tk rows get output 0 and LSE +inf, what the FA-2 kernels write for an empty row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...toggles import Toggles
+from .base import CallContext, Fa2Provider
+from .guards import padded_head_dim
+
+MAX_HEAD_DIM = 128
+MIN_KEYS = 2  # cuDNN's backward: "s_q = s_kv = 1 is not supported"
+MIN_CAPABILITY = (9, 0)
+
+
+def torch_cudnn_status() -> tuple[bool, str]:
+    """(the cuDNN attention entry point exists and cuDNN is usable, reason)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if not torch.backends.cudnn.is_available():
+        return False, f"torch {torch.__version__} was built without cuDNN"
+    try:
+        torch.ops.aten._scaled_dot_product_cudnn_attention  # noqa: B018 - resolving the op is the probe
+    except (AttributeError, RuntimeError) as e:
+        return False, f"torch {torch.__version__} has no aten._scaled_dot_product_cudnn_attention ({e})"
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False, "torch.backends.cuda.enable_cudnn_sdp(False) is in effect"
+    return True, "ok"
+
+
+class TorchCudnnProvider(Fa2Provider):
+    name = "torch_cudnn"
+
+    def __init__(self, kernel=None):
+        super().__init__()
+        self.kernel = kernel  # None: torch.ops.aten._scaled_dot_product_cudnn_attention; tests pass an emulation
+
+    def availability(self, device, forced):
+        if self.available_override is not None:
+            return self.available_override
+        if self.kernel is not None:
+            return True, "injected kernel"
+        if device.type != "cuda":
+            return False, f"torch_cudnn runs on CUDA tensors, got {device}"
+        return torch_cudnn_status()
+
+    def applies(self, branch: str, ctx: CallContext, toggles: Toggles, n_keys: int) -> bool:
+        """Whether to try this provider at all (module doc); when False the FA-2 order decides alone. n_keys:
+        the keys of the (square) call, the compressed blocks of a sequence: cuDNN refuses a 1 x 1 one."""
+        cap = self._cap(ctx.device) if ctx.device.type == "cuda" else self.capability
+        return (toggles.use_cudnn and branch == "cmp" and n_keys >= MIN_KEYS and not ctx.packed
+                and not toggles.force_varlen
+                and ctx.dtype in self.kernel_dtypes and cap is not None
+                and tuple(cap) >= MIN_CAPABILITY and padded_head_dim(ctx.Dk, ctx.Dv) <= MAX_HEAD_DIM)
+
+    def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
+        if not causal or left >= 0 or varlen is not None:
+            raise ValueError("torch_cudnn serves dense bottom-right causal attention only (the compressed branch)")
+        B, Tq, H, D = q.shape
+        Tk = k.shape[1]
+        off = Tq - Tk
+        if off < 0:
+            raise ValueError(f"torch_cudnn needs seqlen_q >= seqlen_k for bottom-right causal, got {Tq} < {Tk}")
+        op = self.kernel or torch.ops.aten._scaled_dot_product_cudnn_attention
+        out, lse, *_ = op(q[:, off:].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True,
+                          False, scale=scale)
+        out, lse = out.transpose(1, 2), lse.reshape(B, H, Tk).float()  # [B, Tk, H, Dv], [B, H, Tk]
+        if off:  # the compressed branch calls it square (nsa.branches.compressed.fa2): no copy there
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, off, 0))
+            lse = torch.nn.functional.pad(lse, (off, 0), value=float("inf"))
+        return out, lse
+
+
+__all__ = ["MAX_HEAD_DIM", "MIN_CAPABILITY", "MIN_KEYS", "TorchCudnnProvider", "torch_cudnn_status"]

@@ -7,9 +7,9 @@ in nsa.telemetry as (step, provider, reason), and returns a Plan whose steps car
 branch signatures of nsa.branches (provider context already bound).
 
 cmp and win, backend="auto": flash_attn -> torch_flash -> sdpa -> torch, and before them, for the compressed
-branch of dense fp16/bf16 input on sm 9.0 with head dims <= 128, torch_cudnn (cuDNN attention, faster
-there; nsa.kernels.fa2.torch_cudnn says why it is tried nowhere else; NSA_USE_CUDNN=0 skips it). A
-provider that is not available here (not installed, no GPU) is skipped silently: that is the environment,
+branch of dense fp16/bf16 input on sm 9.0 with head dims <= 128 (256 from cuDNN 9.19), torch_cudnn (cuDNN
+attention, faster there; nsa.kernels.fa2.torch_cudnn says why it is tried nowhere else; NSA_USE_CUDNN=0
+skips it). A provider that is not available here (not installed, no GPU) is skipped silently: that is the environment,
 reported by `python -m nsa.env`. One that is available but whose guard fails is a fallback: counted with
 the reason of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces that provider for cmp
 and win (NSAInputError with the reason when it cannot run; forcing skips only the min-length threshold).

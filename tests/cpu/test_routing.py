@@ -201,6 +201,19 @@ def test_cudnn_is_not_a_candidate_outside_its_domain(cudnn, gen, clean_env, case
     assert not any(b == "torch_cudnn" for _, b, _ in counts()) and telemetry.snapshot()["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("version,Dk,Dv", [(91900, 192, 16), (91900, 256, 256), (91900, 264, 16)])
+def test_cudnn_wide_heads_from_the_release_measured_with_them(cudnn, gen, version, Dk, Dv):
+    """From cuDNN 9.19 head dims up to 256 go to cuDNN too (exactly the torch path's result, fp64 emulation)."""
+    cudnn.cudnn_version = version
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, Dk, Dv)
+    want = nsa_attention(q, k, v, g, CFG, backend="torch")
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG)
+    wide = max(Dk, Dv) <= 256  # 264: past cuDNN's (and FA-2's) limit, sdpa serves it
+    assert (counts().get(("cmp", "torch_cudnn", "ok")) == 1) is wide
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_cudnn_provider_bottom_right_causal_matches_fa2_contract(gen):
     """Called directly with seqlen_q > seqlen_k, torch_cudnn keeps FA-2's contract (bottom-right causal, empty
     rows: output 0, LSE +inf), from a top-left kernel."""

@@ -1,8 +1,8 @@
 """The fused GPU pipeline (nsa_attention, backend="auto" on CUDA) against the fp64 oracle, and its top-n.
 
 Every test asserts from telemetry that the fused executor ran: cmp on cuDNN attention where it applies
-(dense, sm 9.0+, head dims <= 128, >= 2 compressed blocks) else on FA-2, win on FA-2, topn, sel and combine
-on the Triton kernels, zero fallbacks. Outputs and gradients (q, k, v, gates) are compared
+(dense, sm 9.0+, head dims <= 128 or 256 by cuDNN release, >= 2 compressed blocks) else on FA-2, win on
+FA-2, topn, sel and combine on the Triton kernels, zero fallbacks. Outputs and gradients (q, k, v, gates) are compared
 with the fp64 reference run with the same block indices (top-n is discontinuous; the index agreement is
 measured separately). Small T uses nsa.reference on the CPU; long T the fp64 torch backend on the GPU
 (itself checked against the reference in the CPU suite).
@@ -17,7 +17,7 @@ import pytest
 import torch
 from triton_sel_helpers import MARKS
 
-from nsa import NSAConfig, nsa_attention, nsa_reference, telemetry
+from nsa import NSAConfig, nsa_attention, nsa_reference, plan, telemetry
 
 pytestmark = MARKS
 
@@ -47,8 +47,10 @@ FA2 = {"flash_attn", "torch_flash"}
 
 def cmp_providers(q, v, cu, cfg) -> set:
     """Who must serve the compressed branch: cuDNN attention for dense input on sm 9.0+ with head dims <= 128
-    and >= 2 compressed blocks (unless NSA_USE_CUDNN=0), else a FlashAttention-2 provider."""
-    cudnn = (cu is None and torch.cuda.get_device_capability() >= (9, 0) and max(q.shape[-1], v.shape[-1]) <= 128
+    (256 from cuDNN 9.19) and >= 2 compressed blocks (unless NSA_USE_CUDNN=0), else a FlashAttention-2
+    provider."""
+    cudnn = (cu is None and torch.cuda.get_device_capability() >= (9, 0)
+             and max(q.shape[-1], v.shape[-1]) <= plan.CUDNN.max_head_dim()
              and cfg.n_cmp_blocks(q.shape[1]) >= 2 and os.environ.get("NSA_USE_CUDNN", "1") != "0")
     return {"torch_cudnn"} if cudnn else FA2
 

@@ -9,9 +9,10 @@ FA-2 takes 13.2 and 51.8 ms; it returns the log-sum-exp the top-n step needs and
 What it cannot do, and why it is only tried where it applies (`applies`): its causal mask is aligned to the
 top-left corner and it has no sliding window, no varlen entry point in every torch, and the head dims its
 backward supports depend on the cuDNN release. So planning tries it first for the compressed branch of
-dense input on sm 9.0 with head dims <= 128, fp16/bf16 inputs and at least two compressed blocks, and nowhere
-else: elsewhere it is not a candidate (no fallback is counted), and the FA-2 providers serve as before.
-NSA_USE_CUDNN=0 turns it off.
+dense input on sm 9.0 with head dims <= 128 (<= 256 from cuDNN 9.19, the release measured with them: 64k,
+D=192: 10.0 ms forward and 66.0 ms forward+backward against FA-2's 21.5 and 86.7), fp16/bf16 inputs and at
+least two compressed blocks, and nowhere else: elsewhere it is not a candidate (no fallback is counted),
+and the FA-2 providers serve as before. NSA_USE_CUDNN=0 turns it off.
 
 Bottom-right alignment from top-left: with Tq >= Tk, rows i < Tq - Tk see no key and rows i >= Tq - Tk see
 keys j <= i - (Tq - Tk): the last Tk rows are a square top-left causal attention. Those rows go to cuDNN;
@@ -26,7 +27,9 @@ from ...toggles import Toggles
 from .base import CallContext, Fa2Provider
 from .guards import padded_head_dim
 
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 128  # any cuDNN 9
+MAX_HEAD_DIM_WIDE = 256  # from WIDE_HEADS_CUDNN on (measured: forward and backward, D = 192 and 256)
+WIDE_HEADS_CUDNN = 91900
 MIN_KEYS = 2  # cuDNN's backward: "s_q = s_kv = 1 is not supported"
 MIN_CAPABILITY = (9, 0)
 
@@ -52,6 +55,11 @@ class TorchCudnnProvider(Fa2Provider):
     def __init__(self, kernel=None):
         super().__init__()
         self.kernel = kernel  # None: torch.ops.aten._scaled_dot_product_cudnn_attention; tests pass an emulation
+        self.cudnn_version: int | None = None  # None: torch.backends.cudnn.version(); tests pretend one
+
+    def max_head_dim(self) -> int:
+        version = self.cudnn_version or torch.backends.cudnn.version() or 0
+        return MAX_HEAD_DIM_WIDE if version >= WIDE_HEADS_CUDNN else MAX_HEAD_DIM
 
     def availability(self, device, forced):
         if self.available_override is not None:
@@ -69,7 +77,7 @@ class TorchCudnnProvider(Fa2Provider):
         return (toggles.use_cudnn and branch == "cmp" and n_keys >= MIN_KEYS and not ctx.packed
                 and not toggles.force_varlen
                 and ctx.dtype in self.kernel_dtypes and cap is not None
-                and tuple(cap) >= MIN_CAPABILITY and padded_head_dim(ctx.Dk, ctx.Dv) <= MAX_HEAD_DIM)
+                and tuple(cap) >= MIN_CAPABILITY and padded_head_dim(ctx.Dk, ctx.Dv) <= self.max_head_dim())
 
     def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         if not causal or left >= 0 or varlen is not None:
@@ -89,4 +97,5 @@ class TorchCudnnProvider(Fa2Provider):
         return out, lse
 
 
-__all__ = ["MAX_HEAD_DIM", "MIN_CAPABILITY", "MIN_KEYS", "TorchCudnnProvider", "torch_cudnn_status"]
+__all__ = ["MAX_HEAD_DIM", "MAX_HEAD_DIM_WIDE", "MIN_CAPABILITY", "MIN_KEYS", "WIDE_HEADS_CUDNN", "TorchCudnnProvider",
+           "torch_cudnn_status"]

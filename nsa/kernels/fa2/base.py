@@ -73,6 +73,17 @@ class Fa2Provider:
     def availability(self, device: torch.device, forced: bool) -> tuple[bool, str]:
         raise NotImplementedError
 
+    def _settled(self, device: torch.device, injected, what: str) -> tuple[bool, str] | None:
+        """(ok, why) when it is known without probing the library: a test's override, an injected `what`
+        (kernel or module), or a device that is not CUDA. None: probe."""
+        if self.available_override is not None:
+            return self.available_override
+        if injected is not None:
+            return True, f"injected {what}"
+        if device.type != "cuda":
+            return False, f"{self.name} runs on CUDA tensors, got {device}"
+        return None
+
     def _cap(self, device):
         return self.capability or guards.device_capability(device)
 

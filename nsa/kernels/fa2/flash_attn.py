@@ -30,12 +30,9 @@ class FlashAttnProvider(Fa2Provider):
         return mod
 
     def availability(self, device, forced):
-        if self.available_override is not None:
-            return self.available_override
-        if self.module is not None:
-            return True, "injected module"
-        if device.type != "cuda":
-            return False, f"flash_attn runs on CUDA tensors, got {device}"
+        settled = self._settled(device, self.module, "module")
+        if settled:
+            return settled
         ok, why = flash_wrappers.flash_attn_status(varlen=False)
         if not ok:
             return ok, why

@@ -62,13 +62,7 @@ class TorchCudnnProvider(Fa2Provider):
         return MAX_HEAD_DIM_WIDE if version >= WIDE_HEADS_CUDNN else MAX_HEAD_DIM
 
     def availability(self, device, forced):
-        if self.available_override is not None:
-            return self.available_override
-        if self.kernel is not None:
-            return True, "injected kernel"
-        if device.type != "cuda":
-            return False, f"torch_cudnn runs on CUDA tensors, got {device}"
-        return torch_cudnn_status()
+        return self._settled(device, self.kernel, "kernel") or torch_cudnn_status()
 
     def applies(self, branch: str, ctx: CallContext, toggles: Toggles, n_keys: int) -> bool:
         """Whether to try this provider at all (module doc); when False the FA-2 order decides alone. n_keys:

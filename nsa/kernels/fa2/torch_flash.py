@@ -24,13 +24,7 @@ class TorchFlashProvider(Fa2Provider):
         self.kernel = kernel  # None: torch.ops.aten._flash_attention_forward; tests pass an emulation
 
     def availability(self, device, forced):
-        if self.available_override is not None:
-            return self.available_override
-        if self.kernel is not None:
-            return True, "injected kernel"
-        if device.type != "cuda":
-            return False, f"torch_flash runs on CUDA tensors, got {device}"
-        return flash_wrappers.torch_flash_status()
+        return self._settled(device, self.kernel, "kernel") or flash_wrappers.torch_flash_status()
 
     def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         op = self.kernel or torch.ops.aten._flash_attention_forward

@@ -9,10 +9,11 @@ branch signatures of nsa.branches (provider context already bound).
 cmp and win, backend="auto": flash_attn -> torch_flash -> sdpa -> torch, and before them, for the compressed
 branch of dense fp16/bf16 input on sm 9.0 with head dims <= 128 (256 from cuDNN 9.19), torch_cudnn (cuDNN
 attention, faster there; nsa.kernels.fa2.torch_cudnn says why it is tried nowhere else; NSA_USE_CUDNN=0
-skips it). A provider that is not available here (not installed, no GPU) is skipped silently: that is the environment,
-reported by `python -m nsa.env`. One that is available but whose guard fails is a fallback: counted with
-the reason of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces that provider for cmp
-and win (NSAInputError with the reason when it cannot run; forcing skips only the min-length threshold).
+skips it). A provider that is not available here (not installed, no GPU) is skipped silently: that is the
+environment, reported by `python -m nsa.env`. One that is available but whose guard fails is a fallback:
+counted with the reason of the first failed guard. backend="flash_attn" | "torch_flash" | "sdpa" forces
+that provider for cmp and win (NSAInputError with the reason when it cannot run; forcing skips only the
+min-length threshold).
 sel follows `sel_backend` (argument, else NSA_SEL_BACKEND, default "auto"): auto runs the Triton kernel
 when available and its guards pass, "torch" keeps it on torch, "triton_sel" forces it. topn runs on its
 Triton kernel when available and its guards pass (NSA_USE_TRITON_TOPN=0 or sel_backend="torch" keep
@@ -60,8 +61,8 @@ STEPS = ("cmp", "topn", "sel", "win", "combine")
 
 @dataclass
 class Step:
-    provider: str  # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, reference,
-    # given
+    # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, reference, given
+    provider: str
     reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
     fn: Callable | None = None  # whole-T implementation (branch signature); None: the chunked torch path
     detail: str = ""

@@ -85,6 +85,7 @@ class Fa2Provider:
         return None
 
     def _cap(self, device):
+        """The pretended capability (tests), else the device's (None off CUDA)."""
         return self.capability or guards.device_capability(device)
 
     def kernel_dtype(self, dtype: torch.dtype, toggles: Toggles):
@@ -96,7 +97,7 @@ class Fa2Provider:
         if not toggles.fa2_enabled(branch):
             var = "NSA_USE_FA2" if not toggles.use_fa2 else f"NSA_USE_FA2_{branch.upper()}"
             return Failure("disabled", f"{var}=0")
-        cap = self._cap(ctx.device) if ctx.device.type == "cuda" else self.capability
+        cap = self._cap(ctx.device)
         if not self.allow_cpu:
             fail = guards.check_device(ctx.device, toggles, cap)
             if fail:

@@ -67,7 +67,7 @@ class TorchCudnnProvider(Fa2Provider):
     def applies(self, branch: str, ctx: CallContext, toggles: Toggles, n_keys: int) -> bool:
         """Whether to try this provider at all (module doc); when False the FA-2 order decides alone. n_keys:
         the keys of the (square) call, the compressed blocks of a sequence: cuDNN refuses a 1 x 1 one."""
-        cap = self._cap(ctx.device) if ctx.device.type == "cuda" else self.capability
+        cap = self._cap(ctx.device)
         return (toggles.use_cudnn and branch == "cmp" and n_keys >= MIN_KEYS and not ctx.packed
                 and not toggles.force_varlen
                 and ctx.dtype in self.kernel_dtypes and cap is not None

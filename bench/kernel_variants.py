@@ -1,6 +1,7 @@
 """Time edited copies of a kernel module side by side (what a change to a kernel's body costs or saves).
 
     PYTHONPATH=. python bench/kernel_variants.py --kernel topn --T 65536
+    PYTHONPATH=. python bench/kernel_variants.py --kernel sel_fwd --T 65536
 
 Each variant is the module's source with one textual edit (see VARIANTS); a variant that computes a
 different function is labelled "timing only" and exists to measure what a part of the kernel costs.
@@ -31,6 +32,17 @@ VARIANTS = {
                                              "                for kb in tl.static_range(1, 1):")],
             "head max, not sum (timing only)": [("ps = tl.sum(tl.reshape(p, [BLOCK_T,",
                                                  "ps = tl.max(tl.reshape(p, [BLOCK_T,")],
+            "causal mask on every chunk": [("                if (j0 + BLOCK_J) * R - 1 > i_full:",
+                                            "                if (j0 + BLOCK_J) * R - 1 > -2:")],
+            "no exp2 (timing only)": [("p = tl.exp2(s * qk_scale - lse2p[:, None])",
+                                       "p = s * qk_scale - lse2p[:, None]")],
+        },
+    },
+    "sel_fwd": {
+        "file": "nsa/kernels/triton/selection_fwd.py",
+        "variants": {
+            "as is": [],
+            "pointer loads, no TMA": [("use_tma = tma.supported(k, v) if", "use_tma = False if")],
         },
     },
 }
@@ -38,6 +50,7 @@ VARIANTS = {
 
 def load(path: Path, edits, name: str):
     src = path.read_text().replace("from ... import", "from nsa import")
+    src = src.replace("from . import", "from nsa.kernels.triton import")
     for a, b in edits:
         if a not in src:
             raise SystemExit(f"variant {name!r}: text not found: {a[:60]!r}")
@@ -70,9 +83,17 @@ def main(argv=None):
     kc, vc = compress_kv(k, k, layout, cfg)
     _, lse = planning.make_plan("auto", q, k, k, cfg).cmp.fn(q, kc, vc, layout, cfg, scale)
     spec = VARIANTS[args.kernel]
+    if args.kernel == "sel_fwd":
+        from nsa.kernels.triton.topn import topn_triton
+
+        v = torch.randn_like(k)
+        idx = topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)
     for name, edits in spec["variants"].items():
         mod = load(ROOT / spec["file"], edits, name)
-        fn = lambda m=mod: m.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)  # noqa: E731
+        if args.kernel == "sel_fwd":
+            fn = lambda m=mod: m.sel_forward(q, k, v, idx, layout.seq_start, cfg.block_sel, scale)  # noqa: E731
+        else:
+            fn = lambda m=mod: m.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)  # noqa: E731
         fn()
         ms = triton.testing.do_bench(fn, rep=200)
         print(f"{args.kernel} T={T} {name:32} {ms:8.3f} ms", flush=True)

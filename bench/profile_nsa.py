@@ -23,6 +23,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
     args = ap.parse_args(argv)
     dev, cfg, T = torch.device("cuda"), NSAConfig(), args.T
     q, k, v = (torch.randn(1, T, h, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (64, 4, 4))
@@ -53,7 +54,7 @@ def main(argv=None):
             n_kernels += 1
     total_gpu = sum(gpu.values()) / args.steps / 1e3
     print(f"T={T}: wall {wall:.2f} ms per fwd+bwd, GPU busy {total_gpu:.2f} ms, {n_kernels // args.steps} kernels")
-    for name, t in sorted(gpu.items(), key=lambda x: -x[1])[:12]:
+    for name, t in sorted(gpu.items(), key=lambda x: -x[1])[: args.top]:
         print(f"  gpu {t / args.steps / 1e3:8.3f} ms  {name[:90]}")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
     print(table)

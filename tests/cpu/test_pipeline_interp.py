@@ -163,6 +163,18 @@ def test_topn_kernel_tiles_spanning_sequences(gen, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
+    """Chunks wholly below every row's last block run without the causal mask: a long sequence in small
+    chunks has both kinds, and tokens of other sequences in a tile must still see nothing."""
+    monkeypatch.setattr(topn, "tile_config", lambda G, D: {"BLOCK_T": 4, "BLOCK_G": 4, "CMP_PER_CHUNK": 8,
+                                                           "num_warps": 4})
+    cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=32, n_sel=4, n_init=1, n_local=1, window=8)
+    cu = torch.tensor([0, 7, 150, 151, 300], dtype=torch.int32) if packed else None
+    got, want = _topn_case(gen, cfg, 1, 300, 8, 2, 16, cu)
+    assert torch.equal(got, want)
+
+
 def test_topn_kernel_rejects_unsupported_config():
     cfg = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=65, n_init=1, n_local=1)
     assert "n_sel=65" in topn.unsupported(cfg)

@@ -22,7 +22,7 @@ if importlib.util.find_spec("triton") is None:
 if "nsa.kernels.triton.selection" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
-    from nsa.kernels.triton import selection
+    from nsa.kernels.triton import selection, tma
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"nsa.kernels.triton.selection does not import: {e}", allow_module_level=True)
 if "Interpreted" not in type(selection.selection_bwd._sel_bwd_dq_kernel).__name__:
@@ -52,6 +52,20 @@ def _clean(monkeypatch):
     saved = (prov.capability, prov.allow_cpu)
     yield
     prov.capability, prov.allow_cpu = saved
+
+
+@pytest.fixture(params=["pointers", "tma"])
+def copies(request, monkeypatch):
+    """K/V tiles of the forward and dq kernels by pointer loads or by TMA descriptors (the interpreter runs
+    both on CPU tensors); after the test, the descriptors made tell which path ran."""
+    if request.param == "tma" and not tma.triton_has_descriptors():
+        pytest.skip(f"this triton has no host-side tensor descriptors (from {tma.MIN_TRITON})")
+    monkeypatch.setattr(tma, "FORCE", request.param == "tma")
+    monkeypatch.setattr(tma, "ENABLED", request.param == "tma")
+    tma.USED.clear()
+    yield request.param
+    used = {kernel for kernel, n in tma.USED.items() if n}
+    assert used == ({"sel_fwd", "sel_dq"} if request.param == "tma" else set()), used
 
 
 def random_indices(gen, seq_start, B, T, H, n, ls, pad_prob=0.3):
@@ -99,7 +113,7 @@ def compare(q, k, v, idx, seq_start, ls, gen, tol=2e-5):
 
 @pytest.mark.parametrize("G", [1, 2, 4])
 @pytest.mark.parametrize("Dk,Dv", [(16, 16), (24, 8)])
-def test_kernel_matches_torch_dense(gen, G, Dk, Dv):
+def test_kernel_matches_torch_dense(gen, copies, G, Dk, Dv):
     B, T, Hkv, ls, n = 2, 37, 2, 8, 3
     q, k, v = inputs(gen, B, T, Hkv, G, Dk, Dv)
     ss = torch.zeros(B, T, dtype=torch.long)
@@ -118,7 +132,7 @@ def test_future_blocks_and_unsorted_user_indices(gen):
     compare(q, k, v, idx, ss, ls, gen)
 
 
-def test_block_longer_than_one_tile(gen, monkeypatch):
+def test_block_longer_than_one_tile(gen, copies, monkeypatch):
     """l' = 24 with 16-token sub-tiles: two tiles per block, the second one half masked."""
     monkeypatch.setattr(selection, "MAX_BLOCK_N", 16)
     B, T, Hkv, G, ls = 1, 40, 1, 2, 24
@@ -135,7 +149,7 @@ def test_group_over_several_row_tiles(gen, monkeypatch):
     compare(q, k, v, random_indices(gen, ss, B, T, Hkv, 2, ls), ss, ls, gen)
 
 
-def test_packed_with_empty_sequence(gen):
+def test_packed_with_empty_sequence(gen, copies):
     cu = [0, 13, 13, 40]
     T = cu[-1]
     ss = torch.zeros(1, T, dtype=torch.long)
@@ -145,7 +159,7 @@ def test_packed_with_empty_sequence(gen):
     compare(q, k, v, random_indices(gen, ss, 1, T, 2, 3, 8), ss, 8, gen)
 
 
-def test_non_contiguous_inputs(gen):
+def test_non_contiguous_inputs(gen, copies):
     B, T, Hkv, G, ls = 1, 24, 2, 2, 8
     qkv = torch.randn(B, T, Hkv * G + 2 * Hkv, 16, generator=gen)
     q = qkv[:, :, : Hkv * G].detach().requires_grad_()

@@ -94,6 +94,34 @@ def test_kernel_varlen_with_empty_sequences(gen):
     assert err(sel_triton(q, k, v, idx, ss, SMALL), sel_ref(q, k, v, idx, ss, SMALL)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("Dk,Dv", [(128, 128), (192, 128)])
+def test_tma_copies_match_pointer_loads(gen, monkeypatch, Dk, Dv):
+    """On Hopper the forward and dq kernels read K/V tiles by TMA: same outputs and gradients as pointer
+    loads (packed, -1 padded lists, sequences shorter than a block), and the descriptors were made."""
+    from nsa.kernels.triton import tma
+
+    if torch.cuda.get_device_capability()[0] < 9 or not tma.triton_has_descriptors():
+        pytest.skip("TMA copies need sm 9.0+ and a triton with host-side tensor descriptors")
+    ss, _ = seq_start_of([1000, 3, 0, 40, 1005])
+    T, Hq, Hkv, dtype = ss.shape[1], 64, 4, torch.bfloat16
+    q, k, v = rand(gen, 1, T, Hq, Dk, dtype=dtype), rand(gen, 1, T, Hkv, Dk, dtype=dtype), rand(gen, 1, T, Hkv, Dv,
+                                                                                                   dtype=dtype)
+    idx = topn_indices(gen, ss, Hkv, PAPER)
+    go = rand(gen, 1, T, Hq, Dv, dtype=dtype)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(tma, "ENABLED", on)
+        tma.USED.clear()
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        out = sel_triton(qq, kk, vv, idx, ss, PAPER)
+        runs[on] = (out, *torch.autograd.grad(out, (qq, kk, vv), go))
+        assert (tma.USED["sel_fwd"] > 0 and tma.USED["sel_dq"] > 0) == on, dict(tma.USED)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), runs[True], runs[False]):
+        assert torch.isfinite(a).all(), name
+        assert err(a, b) < 1e-2, name
+    assert err(runs[True][0], sel_ref(q, k, v, idx, ss, PAPER)) < TOL[dtype]
+
+
 def test_kernel_offsets_past_2_pow_31(gen):
     """q/o hold more than 2**31 elements: the last rows must be right (int64 offsets)."""
     Hq, Hkv, D, dtype = 64, 4, 128, torch.bfloat16

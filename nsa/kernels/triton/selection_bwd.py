@@ -7,7 +7,8 @@ LSE (exp2 domain); delta = rowsum(dO * O) is computed by the dq kernel (fp32) an
 
 - dq: one program per (token, batch x KV head, tile of query heads) walks the token's selected blocks as
   the forward does (rows = the G query heads, padded to 16), with a flat pipelinable loop over
-  (block, sub-tile) and masks instead of branches (an index of -1 gives an all-false mask).
+  (block, sub-tile) and masks instead of branches (an index of -1 gives an all-false mask); K/V tiles by
+  TMA where tma.supported says so.
 - dk/dv: through the reverse index (nsa.kernels.triton.reverse_index): each work item is a chunk of at
   most CHUNK_ROWS / G queries of one block; a program stacks QT query tokens x BG heads as the rows of tl.dot,
   recomputes S^T = K_blk q^T, P^T, dP^T = V_blk dO^T, dS^T and accumulates dV += P^T dO and
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tma
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
 
 LOG2E = 1.4426950408889634
@@ -49,13 +51,16 @@ def _np2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, device: torch.device) -> dict:
+def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, device: torch.device,
+               tma: bool = False) -> dict:
     """Launch parameters of the three kernels (constexprs, plus num_warps / num_stages on a GPU).
 
     Defaults chosen from sm_90 compiles without register spills where possible (ptxas -v); bf16/fp16
     D=128 keeps 64-token sub-tiles for wgmma at the cost of a small spill. The dk/dv warps, programs per SM
     and chunk rows come from bench/tune_sel_bwd.py on an H100 at 64k (4 warps, 4 programs per SM, 16384
-    rows: 40.7 ms against 46.3 ms with 8 warps, 2 per SM, 8192 rows). Tune here.
+    rows: 40.7 ms against 46.3 ms with 8 warps, 2 per SM, 8192 rows). `tma`: the dq kernel reads K/V
+    tiles by TMA (tma.py), with 3 stages where pointer loads had 2 (H100, 64k: whole backward 36.1 ms
+    against 38.0 with 2 stages and 37.2 with pointer loads). Tune here.
     """
     bdk, bdv = max(16, _np2(Dk)), max(16, _np2(Dv))
     width = bdk + bdv
@@ -64,7 +69,8 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     dq_bn = min(max(16, _np2(block_sel)), DQ_MAX_BLOCK_N, 32 if ieee and width >= 256 else 64)
     dq_rows = min(DQ_MAX_BLOCK_G, (64 if width < 256 else 32) // (2 if ieee else 1))
     dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
-              N_SUB=triton.cdiv(block_sel, dq_bn), NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 2)
+              N_SUB=triton.cdiv(block_sel, dq_bn), TMA=tma,
+              NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 3 if tma and width <= 256 else 2)
     if ieee or width > 384:
         kv_bn, rows = 32, min(DKDV_ROWS, 32)
     elif width > 256:
@@ -101,7 +107,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _sel_bwd_dq_kernel(
-    Q, K, V, IDX, SS, O, DO, LSE, DELTA, DQ,
+    Q, K, V, KD, VD, IDX, SS, O, DO, LSE, DELTA, DQ,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -113,7 +119,7 @@ def _sel_bwd_dq_kernel(
     sdqb, sdqt, sdqh, sdqd,
     Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
+    N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1)
@@ -158,10 +164,15 @@ def _sel_bwd_dq_kernel(
         local = j * block_sel + c + rn
         keep = (j >= 0) & (c + rn < block_sel) & (local <= pos)
         tok = start + local
-        kb = tl.load(k_base + tok[:, None] * skt + rdk[None, :] * skd, mask=keep[:, None] & dk_ok[None, :],
-                     other=0.0)
-        vb = tl.load(v_base + tok[:, None] * svt + rdv[None, :] * svd, mask=keep[:, None] & dv_ok[None, :],
-                     other=0.0)
+        if TMA:  # tensor-memory copies (tma.py): masked in p below, zeros outside [0, T)
+            row0 = (start + j * block_sel + c).to(tl.int32)
+            kb = tl.reshape(KD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DK])
+            vb = tl.reshape(VD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DV])
+        else:
+            kb = tl.load(k_base + tok[:, None] * skt + rdk[None, :] * skd,
+                         mask=keep[:, None] & dk_ok[None, :], other=0.0)
+            vb = tl.load(v_base + tok[:, None] * svt + rdv[None, :] * svd,
+                         mask=keep[:, None] & dv_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(kb), IEEE)
         dp = _dot(do, tl.trans(vb), IEEE)
         p = tl.where(row_ok[:, None] & keep[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
@@ -323,7 +334,7 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     if B * T * Hq == 0:
         return (dq.zero_(), dk.zero_(), dv.zero_()), []
     G = Hq // Hkv
-    cfg = cfg or bwd_config(G, Dk, Dv, block_sel, q.dtype, q.device)
+    cfg = cfg or bwd_config(G, Dk, Dv, block_sel, q.dtype, q.device, tma=tma.supported(k, v))
     n_programs = n_programs or _n_programs(q.device)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # rowsum(dO * O), written by the dq kernel
@@ -331,8 +342,12 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     launches = []
 
     dqc = cfg["dq"]
+    kd, vd = k, v  # unused without TMA
+    if dqc.get("TMA"):
+        kd = tma.tile_descriptor(k, dqc["BLOCK_N"], dqc["BLOCK_DK"], "sel_dq")
+        vd = tma.tile_descriptor(v, dqc["BLOCK_N"], dqc["BLOCK_DV"], "sel_dq")
     launches.append((_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
-        q, k, v, indices, seq_start, o, do, lse, delta, dq,
+        q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(),
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale,

@@ -7,9 +7,10 @@ ones, and what their scores agree on), so a program walks TOKENS of them in turn
 blocks in its SM's L1.
 
 The block loop is flat and branch-free so Triton can software-pipeline it (num_stages: the K/V tiles of
-the next blocks are copied asynchronously while the current one is computed): iteration `it` takes block
-it // N_SUB and its sub-tile it % N_SUB (blocks longer than BLOCK_N), and a -1 id or a token after the
-query only masks the loads. V is loaded after the first dot, so the K and V tiles are never live at once.
+the next blocks are copied asynchronously while the current one is computed, by TMA on Hopper: tma.py).
+Iteration `it` takes block it // N_SUB and its sub-tile it % N_SUB (blocks longer than BLOCK_N); a -1 id
+or a token after the query is masked (in the loads, or in the scores of a TMA tile). V is loaded after
+the first dot, so the K and V tiles are never live at once.
 Online softmax in fp32, exp2 domain. Offsets are int64 where a stride times an index can pass 2**31.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from . import tma
 
 LOG2E = 1.4426950408889634
 
@@ -28,7 +31,7 @@ def _np2(x: int) -> int:
 
 @triton.jit
 def _sel_fwd_kernel(
-    Q, K, V, IDX, SS, O, LSE,
+    Q, K, V, KD, VD, IDX, SS, O, LSE,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -39,7 +42,7 @@ def _sel_fwd_kernel(
     T, Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
-    EVEN_DV: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -75,7 +78,10 @@ def _sel_fwd_kernel(
                 local = j * block_sel + c + rn
                 keep = (j >= 0) & (c + rn < block_sel) & (local <= pos)
                 tok = start + local
-                if EVEN_DK:  # no column mask: fewer predicate registers, wider loads
+                if TMA:  # a tensor-memory copy of the tile: rows past T or before 0 read as zeros
+                    row0 = (start + j * block_sel + c).to(tl.int32)
+                    kb = tl.reshape(KD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DK])
+                elif EVEN_DK:  # no column mask: fewer predicate registers, wider loads
                     kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None], other=0.0)
                 else:
                     kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None] & dk_ok[None, :], other=0.0)
@@ -89,7 +95,9 @@ def _sel_fwd_kernel(
                 p = tl.exp2(s - m_safe[:, None])
                 alpha = tl.exp2(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                if EVEN_DV:  # V after the first dot: K and V tiles are not live at once
+                if TMA:
+                    vb = tl.reshape(VD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DV])
+                elif EVEN_DV:  # V after the first dot: K and V tiles are not live at once
                     vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None], other=0.0)
                 else:
                     vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None] & dv_ok[None, :], other=0.0)
@@ -107,16 +115,18 @@ def _sel_fwd_kernel(
 
 
 def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
-                  max_block_n: int = 64) -> dict:
-    """Tile sizes, tokens per program, warps and pipeline depth for one shape (H100, bench/tune_kernels.py:
-    3 stages, 2 tokens, 4 warps for G=16, D=128 at 16k-64k)."""
+                  max_block_n: int = 64, tma: bool = False) -> dict:
+    """Tile sizes, tokens per program, warps, pipeline depth and TMA copies for one shape (H100, G=16,
+    D=128, 16k-64k, bench/tune_kernels.py: 3 stages, 4 warps; 2 tokens per program share some blocks
+    through L1 with pointer loads, TMA copies bypass L1 so they take 1)."""
     wide = max(Dk, Dv) > 128
     return {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
         "BLOCK_N": min(max(16, _np2(block_sel)), max_block_n),
         "BLOCK_DK": max(16, _np2(Dk)),
         "BLOCK_DV": max(16, _np2(Dv)),
-        "TOKENS": 1 if wide else 2,
+        "TMA": tma,
+        "TOKENS": 1 if wide or tma else 2,
         "STAGES": 2 if wide else 3,
         "num_warps": 8 if wide else 4,
     }
@@ -133,15 +143,20 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     if B * T * Hq == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     G = Hq // Hkv
-    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n), **(config or {})}
+    use_tma = tma.supported(k, v) if (config or {}).get("TMA") is None else config["TMA"]
+    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n, use_tma), **(config or {})}
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     n = indices.shape[3]
     meta["N_SUB"] = triton.cdiv(block_sel, meta["BLOCK_N"])
     meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] == Dk, meta["BLOCK_DV"] == Dv
     grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))
+    kd, vd = k, v  # unused without TMA
+    if meta["TMA"]:
+        kd = tma.tile_descriptor(k, meta["BLOCK_N"], meta["BLOCK_DK"], "sel_fwd")
+        vd = tma.tile_descriptor(v, meta["BLOCK_N"], meta["BLOCK_DV"], "sel_fwd")
     _sel_fwd_kernel[grid](
-        q, k, v, indices, seq_start, o, lse,
+        q, k, v, kd, vd, indices, seq_start, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
         T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E,
         IEEE=q.dtype == torch.float32, **meta,

@@ -14,7 +14,9 @@ each selection block (R = l'/d), turns them into probabilities with the LSE (exp
 over the G heads, then per selection block j adds the group of j and the tails of the groups before it
 whose blocks reach into j (with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every
 block overlapping j is counted once. A tail moves k blocks to the right (from the previous chunk for
-the first k) with tl.gather: pure data movement, so the move is exact.
+the first k) with tl.gather: pure data movement, so the move is exact. Only the chunks that reach past
+some row's last visible block pay for the causal mask; rows outside the current pass get an LSE of +inf,
+so their probabilities are 0 without one.
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
 
@@ -127,7 +129,12 @@ def _topn_kernel(
         if tl.min(done.to(tl.int32), axis=0) == 0:
             cur = tl.min(tl.where(done, 2147483647, slot0_tok), axis=0)
             act_tok = (~done) & (slot0_tok == cur)
-            last = tl.where(row_ok & (slot0_row == cur), last_row, -1)  # rows outside this pass see nothing
+            in_pass = row_ok & (slot0_row == cur)
+            last = tl.where(in_pass, last_row, -1)  # rows outside this pass see nothing
+            lse2p = tl.where(in_pass, lse2, float("inf"))  # their probabilities come out 0 without a mask
+            i_full = tl.min(tl.where(in_pass, last_row, 2147483647), axis=0)
+            if R_PAD != R:
+                i_full = -1
             j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
             i_hi = tl.max(last, axis=0)
             prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's group sums
@@ -142,8 +149,9 @@ def _topn_kernel(
                 else:
                     s = tl.dot(q, tl.trans(kc))
                 kc = _load_blocks(kc_base, cur, i_loc + BLOCK_J * R, i_hi, skn, u_c < R, d_ok, EVEN_D)
-                vis = (i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :]
-                p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+                p = tl.exp2(s * qk_scale - lse2p[:, None])
+                if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some row's last block
+                    p = tl.where((i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :], p, 0.0)
                 ps = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_J, R_PAD]), axis=1)  # [BT, BJ, R_PAD]
                 score = tl.sum(ps, axis=2)  # the group of j: blocks starting inside j
                 for kb in tl.static_range(1, K_BACK + 1):  # blocks of group j - kb that reach into j

@@ -2,9 +2,9 @@
 
 Group-centric: one program per (TOKENS consecutive tokens, batch x KV head, tile of query heads). The G
 query heads of a KV head are the rows of tl.dot (padded to BLOCK_G >= 16), so each selected K/V block
-is loaded once per token and group; consecutive tokens share many blocks (the forced first and local
-ones, and what their scores agree on), so a program walks TOKENS of them in turn and finds those
-blocks in its SM's L1.
+is loaded once per token and group. A program may walk TOKENS consecutive tokens in turn (fewer, longer
+programs); they share the forced blocks, but the pipelined copies bypass L1 (ncu at 64k: 0.4% L1 hits),
+so the kernel is bound by L2 bandwidth over the gathered K/V, not by reuse.
 
 The block loop is flat and branch-free so Triton can software-pipeline it (num_stages: the K/V tiles of
 the next blocks are copied asynchronously while the current one is computed, by TMA on Hopper: tma.py).
@@ -117,8 +117,8 @@ def _sel_fwd_kernel(
 def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
                   max_block_n: int = 64, tma: bool = False) -> dict:
     """Tile sizes, tokens per program, warps, pipeline depth and TMA copies for one shape (H100, G=16,
-    D=128, 16k-64k, bench/tune_kernels.py: 3 stages, 4 warps; 2 tokens per program share some blocks
-    through L1 with pointer loads, TMA copies bypass L1 so they take 1)."""
+    D=128, 16k-64k, bench/tune_kernels.py: 3 stages, 4 warps; 2 tokens per program with pointer loads,
+    1 with TMA copies, each the faster there)."""
     wide = max(Dk, Dv) > 128
     return {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),

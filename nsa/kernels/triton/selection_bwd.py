@@ -342,10 +342,8 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     launches = []
 
     dqc = cfg["dq"]
-    kd, vd = k, v  # unused without TMA
-    if dqc.get("TMA"):
-        kd = tma.tile_descriptor(k, dqc["BLOCK_N"], dqc["BLOCK_DK"], "sel_dq")
-        vd = tma.tile_descriptor(v, dqc["BLOCK_N"], dqc["BLOCK_DV"], "sel_dq")
+    kd, vd = tma.kv_descriptors(dqc.get("TMA", False), k, v, dqc["BLOCK_N"], dqc["BLOCK_DK"], dqc["BLOCK_DV"],
+                                "sel_dq")
     launches.append((_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
         q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),

@@ -151,10 +151,7 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     meta["N_SUB"] = triton.cdiv(block_sel, meta["BLOCK_N"])
     meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] == Dk, meta["BLOCK_DV"] == Dv
     grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))
-    kd, vd = k, v  # unused without TMA
-    if meta["TMA"]:
-        kd = tma.tile_descriptor(k, meta["BLOCK_N"], meta["BLOCK_DK"], "sel_fwd")
-        vd = tma.tile_descriptor(v, meta["BLOCK_N"], meta["BLOCK_DV"], "sel_fwd")
+    kd, vd = tma.kv_descriptors(meta["TMA"], k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"], "sel_fwd")
     _sel_fwd_kernel[grid](
         q, k, v, kd, vd, indices, seq_start, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),

@@ -13,6 +13,7 @@ On an H100 (bf16, Hq=64, Hkv=4, D=128, 16 blocks of 64, T=64k) the selection for
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -25,6 +26,7 @@ MIN_TRITON = Version("3.4.0")  # host-side descriptors with a `load` method in k
 DTYPES = (torch.float16, torch.bfloat16)
 
 
+@functools.cache
 def triton_has_descriptors() -> bool:
     import triton
 
@@ -46,7 +48,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def tile_descriptor(t: torch.Tensor, block_n: int, block_d: int, kernel: str):
+def _tile_descriptor(t: torch.Tensor, block_n: int, block_d: int, kernel: str):
     """Descriptor of [B, T, H, D] `t` whose loads at [b, token, h, 0] give a [1, block_n, 1, block_d] tile."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -54,4 +56,13 @@ def tile_descriptor(t: torch.Tensor, block_n: int, block_d: int, kernel: str):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d])
 
 
-__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "ENABLED", "FORCE", "USED"]
+def kv_descriptors(use: bool, k: torch.Tensor, v: torch.Tensor, block_n: int, block_dk: int, block_dv: int,
+                   kernel: str):
+    """(K, V) arguments of a kernel with a TMA constexpr: tile descriptors when `use`, else the tensors
+    themselves (the kernel then ignores them and loads through pointers)."""
+    if not use:
+        return k, v
+    return _tile_descriptor(k, block_n, block_dk, kernel), _tile_descriptor(v, block_n, block_dv, kernel)
+
+
+__all__ = ["supported", "triton_has_descriptors", "kv_descriptors", "ENABLED", "FORCE", "USED"]

@@ -110,7 +110,7 @@ def _topn_kernel(
                     mask=row_in[:, None] & d_ok[None, :], other=0.0)
     lse = tl.load(LSE + b * slb + t_row64 * slt + head * slh, mask=row_in, other=float("-inf"))
     row_ok = row_in & (lse > float("-inf"))
-    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    lse2 = lse * 1.4426950408889634  # per pass, rows not in it (or seeing nothing) get +inf instead
 
     # Compressed blocks of a chunk: kk = jj * R_PAD + u is block (j0 + jj) * R + u of the sequence.
     kk = tl.arange(0, BLOCK_C)

@@ -73,14 +73,14 @@ def sweep(T, args, kernels):
     if "topn" in kernels:
         default = tile_config(G, args.D)
         grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)),
-                      [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "num_warps": nw}
-                       for bt, cpc, nw in itertools.product((4, 8), (64, 128), (4, 8))]))
+                      [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw}
+                       for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128), (2, 3, 4), (4, 8))]))
     if "sel_fwd" in kernels:
         default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype)
         grids.append(("sel_fwd", default, sel, lambda out: bool(((out[0].float() - o_ref.float()).abs().max()
                                                                  < 1e-2).item()),
                       [{"STAGES": st, "TOKENS": tk, "num_warps": nw}
-                       for st, tk, nw in itertools.product((2, 3, 4), (1, 2), (2, 4))]))
+                       for st, tk, nw in itertools.product((2, 3, 4), (1, 2), (1, 2, 4))]))
     rows = []
     for name, default, fn, check, confs in grids:
         for conf in confs:

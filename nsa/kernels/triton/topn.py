@@ -7,15 +7,17 @@ Contract (same function as nsa.branches.selected.naive.top_n, see docs/semantics
     each token's sequence). Returns int32 [B, T, Hkv, n_sel]: ascending block ids local to the sequence,
     -1 padded. No gradient, nothing of size [T, Nc] or [T, N_sel] in global memory.
 
-One program per (tile of BLOCK_T tokens, batch x KV head). The rows of tl.dot are the tile's tokens x
-the G query heads of the KV head (BLOCK_T * BLOCK_G >= 16). The program walks the selection blocks of
-its tokens in chunks of BLOCK_J: recomputes the logits against the R compressed blocks that start in
-each selection block (R = l'/d), turns them into probabilities with the LSE (exp2 domain), sums them
-over the G heads, then per selection block j adds the group of j and the tails of the groups before it
-whose blocks reach into j (with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every
-block overlapping j is counted once. A tail moves k blocks to the right (from the previous chunk for
-the first k) with tl.gather: pure data movement, so the move is exact. Only the chunks that reach past
-some row's last visible block pay for the causal mask; rows outside the current pass get an LSE of +inf,
+One program per (tile of BLOCK_T tokens, batch x KV head). The rows of tl.dot are the tile's tokens and its
+columns a chunk of compressed blocks: the program walks the selection blocks of its tokens in chunks of
+BLOCK_J and, per chunk, loops over the G query heads of the KV head: recomputes head g's logits against the
+R compressed blocks that start in each selection block (R = l'/d), turns them into probabilities with head
+g's LSE (exp2 domain) and adds them to one fp32 tile, so the sum over heads is an elementwise add in
+registers (no reduction across threads) and the chunk's keys are loaded once for all G heads. Then per
+selection block j it adds the group of j and the tails of the groups before it whose blocks reach into j
+(with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every block overlapping j is counted
+once. A tail moves k blocks to the right (from the previous chunk for the first k) with tl.gather: pure
+data movement, so the move is exact. Only the chunks that reach past some token's last visible block pay
+for the causal mask (applied once to the head sum); tokens outside the current pass get an LSE of +inf,
 so their probabilities are 0 without one.
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
@@ -69,19 +71,18 @@ def _topn_kernel(
     n_tiles,
     R: tl.constexpr, C: tl.constexpr, K_BACK: tl.constexpr,
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_J: tl.constexpr, KEEP: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
+    KEEP: tl.constexpr, HEAD_STAGES: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     # KEEP: slots of the kept list (n_sel of them live)
     DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
-    ROWS: tl.constexpr = BLOCK_T * BLOCK_G
     BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
     tile = n_tiles - 1 - tl.program_id(0)  # the longest tiles (most blocks) first
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
     h = (pid_bh % Hkv).to(tl.int64)
 
-    # Tokens of the tile, and the same per row (row = token * BLOCK_G + head). Positions fit int32 (T < 2^31).
+    # Tokens of the tile. Positions fit int32 (T < 2^31).
     t_tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t_tok < T
     t_tok64 = t_tok.to(tl.int64)
@@ -89,28 +90,13 @@ def _topn_kernel(
     slot0_tok = tl.load(SC0 + b * scb + t_tok64 * sct, mask=tok_ok, other=0).to(tl.int32)
     pos_tok = t_tok - start_tok
     jt_tok = pos_tok // BLOCK_SEL
-
-    rr = tl.arange(0, ROWS)
-    t_row = tile * BLOCK_T + rr // BLOCK_G
-    g_row = rr % BLOCK_G
-    row_in = (t_row < T) & (g_row < G)
-    t_row64 = t_row.to(tl.int64)
-    head = h * G + g_row
-    start_row = tl.load(SS + b * ssb + t_row64 * sst, mask=row_in, other=0).to(tl.int32)
-    slot0_row = tl.load(SC0 + b * scb + t_row64 * sct, mask=row_in, other=0).to(tl.int32)
-    # Last compressed block the row sees (i*d + l - 1 <= pos), -1 for none; an offset keeps // a floor.
-    last_row = (t_row - start_row + 1 - BLOCK_CMP + STRIDE) // STRIDE - 1
+    # Last compressed block the token sees (i*d + l - 1 <= pos), -1 for none; an offset keeps // a floor.
+    last_tok = (pos_tok + 1 - BLOCK_CMP + STRIDE) // STRIDE - 1
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < D
-    if EVEN_D:  # no column mask: vectorized loads
-        q = tl.load(Q + b * sqb + t_row64[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
-                    mask=row_in[:, None], other=0.0)
-    else:
-        q = tl.load(Q + b * sqb + t_row64[:, None] * sqt + head[:, None] * sqh + rd[None, :] * sqd,
-                    mask=row_in[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(LSE + b * slb + t_row64 * slt + head * slh, mask=row_in, other=float("-inf"))
-    row_ok = row_in & (lse > float("-inf"))
-    lse2 = lse * 1.4426950408889634  # per pass, rows not in it (or seeing nothing) get +inf instead
+    kc_base = KC + b * skb + h * skh + rd[None, :] * skd
+    q_base = Q + b * sqb + t_tok64[:, None] * sqt + (h * G) * sqh + rd[None, :] * sqd
+    lse_base = LSE + b * slb + t_tok64 * slt + (h * G) * slh
 
     # Compressed blocks of a chunk: kk = jj * R_PAD + u is block (j0 + jj) * R + u of the sequence.
     kk = tl.arange(0, BLOCK_C)
@@ -129,30 +115,40 @@ def _topn_kernel(
         if tl.min(done.to(tl.int32), axis=0) == 0:
             cur = tl.min(tl.where(done, 2147483647, slot0_tok), axis=0)
             act_tok = (~done) & (slot0_tok == cur)
-            in_pass = row_ok & (slot0_row == cur)
-            last = tl.where(in_pass, last_row, -1)  # rows outside this pass see nothing
-            lse2p = tl.where(in_pass, lse2, float("inf"))  # their probabilities come out 0 without a mask
-            i_full = tl.min(tl.where(in_pass, last_row, 2147483647), axis=0)
+            in_pass = tok_ok & (slot0_tok == cur)
+            last = tl.where(in_pass, last_tok, -1)  # tokens outside this pass see nothing
+            # Chunks up to the smallest last block of the pass need no mask (tokens seeing nothing have LSE +inf).
+            i_full = tl.min(tl.where(in_pass & (last_tok >= 0), last_tok, 2147483647), axis=0)
             if R_PAD != R:
                 i_full = -1
             j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
             i_hi = tl.max(last, axis=0)
-            prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's group sums
-            # The next chunk's compressed keys are loaded while this one is scored (by hand: the insertion's
-            # while loop keeps Triton's pipeliner off this loop).
-            kc_base = KC + b * skb + h * skh + rd[None, :] * skd
-            kc = _load_blocks(kc_base, cur, jj_c * R + u_c, i_hi, skn, u_c < R, d_ok, EVEN_D)
+            prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's per-block sums
             for j0 in range(0, j_hi + 1, BLOCK_J):
                 i_loc = (j0 + jj_c) * R + u_c
-                if IEEE:
-                    s = tl.dot(q, tl.trans(kc), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kc))
-                kc = _load_blocks(kc_base, cur, i_loc + BLOCK_J * R, i_hi, skn, u_c < R, d_ok, EVEN_D)
-                p = tl.exp2(s * qk_scale - lse2p[:, None])
-                if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some row's last block
+                kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
+                # The sum over heads, in head order: the same adds for every block (bitwise-equal ties).
+                p = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+                # Pointers step one head at a time: a head stride times g may pass 2**31 (a transposed q).
+                q_ptr, lse_ptr = q_base, lse_base
+                for _g in tl.range(0, G, num_stages=HEAD_STAGES):
+                    if EVEN_D:  # no column mask: vectorized loads
+                        qg = tl.load(q_ptr, mask=tok_ok[:, None], other=0.0)
+                    else:
+                        qg = tl.load(q_ptr, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+                    lse_g = tl.load(lse_ptr, mask=tok_ok, other=float("-inf"))
+                    q_ptr += sqh
+                    lse_ptr += slh
+                    # Tokens outside the pass, or seeing nothing, get +inf: probabilities 0 without a mask.
+                    lse2p = tl.where(in_pass & (lse_g > float("-inf")), lse_g * 1.4426950408889634, float("inf"))
+                    if IEEE:
+                        s = tl.dot(qg, tl.trans(kc), input_precision="ieee")
+                    else:
+                        s = tl.dot(qg, tl.trans(kc))
+                    p += tl.exp2(s * qk_scale - lse2p[:, None])
+                if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some token's last block
                     p = tl.where((i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :], p, 0.0)
-                ps = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_J, R_PAD]), axis=1)  # [BT, BJ, R_PAD]
+                ps = tl.reshape(p, [BLOCK_T, BLOCK_J, R_PAD])
                 score = tl.sum(ps, axis=2)  # the group of j: blocks starting inside j
                 for kb in tl.static_range(1, K_BACK + 1):  # blocks of group j - kb that reach into j
                     cut = kb * R - C
@@ -211,12 +207,18 @@ def _block_j(cfg, cmp_per_chunk: int = 64) -> int:
     return max(cmp_per_chunk // _np2(cfg.block_sel // cfg.stride_cmp), 2)
 
 
-def tile_config(G: int, D: int) -> dict:
-    """Tokens per program and warps: about 64 dot rows (tokens x padded heads), fewer for wide heads."""
-    bg = _np2(max(G, 1))
-    rows = 128 if D <= 128 else 64  # H100: 128 rows x 64 blocks per step was fastest for G=16, D=128
-    bt = max(1, rows // bg, 16 // bg)
-    return {"BLOCK_T": bt, "BLOCK_G": bg, "CMP_PER_CHUNK": 64, "num_warps": 4}
+def tile_config(G: int, D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tokens per program (the dot's rows), compressed blocks per chunk (its columns), the head loop's
+    pipeline depth and warps. H100, G=16, D=128, bf16, 64k: 64 tokens x 128 blocks with 3 stages took
+    12.5 ms, 64 x 64 12.5-16.6 ms, 128-token tiles 13.1-40 ms, and rows of tokens x heads (a sum over heads
+    across threads) 14.8 ms (bench/results/h100-cu130-torch2.11/tune_topn_sel.csv; bench/tune_kernels.py
+    runs the same grid). Wide heads keep the shared memory of the pipelined q tiles in bounds; fp32 (IEEE
+    dots on CUDA cores) takes smaller tiles."""
+    if dtype == torch.float32:
+        return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4}
+    if D > 128:
+        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 64, "HEAD_STAGES": 2, "num_warps": 4}
+    return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4}
 
 
 def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
@@ -234,7 +236,7 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     if fail:
         raise ValueError(fail)
     r_pad = _np2(r)
-    meta = {**tile_config(G, Dk), **(config or {})}
+    meta = {**tile_config(G, Dk, q.dtype), **(config or {})}
     block_j = _block_j(cfg, meta.pop("CMP_PER_CHUNK", 64))
     warps = meta.pop("num_warps")
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])

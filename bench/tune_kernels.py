@@ -71,10 +71,10 @@ def sweep(T, args, kernels):
     o_ref, lse_ref = sel()
     grids = []
     if "topn" in kernels:
-        default = tile_config(G, args.D)
+        default = tile_config(args.D)
         grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)),
                       [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw}
-                       for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128), (2, 3, 4), (4, 8))]))
+                       for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8))]))
     if "sel_fwd" in kernels:
         default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype)
         grids.append(("sel_fwd", default, sel, lambda out: bool(((out[0].float() - o_ref.float()).abs().max()

@@ -155,7 +155,7 @@ def test_topn_kernel_packed_short_and_empty_sequences(gen):
 
 def test_topn_kernel_tiles_spanning_sequences(gen, monkeypatch):
     """Tiles of 8 tokens over many short sequences: one pass per sequence inside a tile."""
-    monkeypatch.setattr(topn, "tile_config", lambda G, D, dtype: {"BLOCK_T": 8, "CMP_PER_CHUNK": 16, "HEAD_STAGES": 1,
+    monkeypatch.setattr(topn, "tile_config", lambda D, dtype: {"BLOCK_T": 8, "CMP_PER_CHUNK": 16, "HEAD_STAGES": 1,
                                                                   "num_warps": 4})
     lengths = [3, 4, 1, 5, 12, 2, 2, 19]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
@@ -167,7 +167,7 @@ def test_topn_kernel_tiles_spanning_sequences(gen, monkeypatch):
 def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
     """Chunks wholly below every row's last block run without the causal mask: a long sequence in small
     chunks has both kinds, and tokens of other sequences in a tile must still see nothing."""
-    monkeypatch.setattr(topn, "tile_config", lambda G, D, dtype: {"BLOCK_T": 4, "CMP_PER_CHUNK": 8, "HEAD_STAGES": 1,
+    monkeypatch.setattr(topn, "tile_config", lambda D, dtype: {"BLOCK_T": 4, "CMP_PER_CHUNK": 8, "HEAD_STAGES": 1,
                                                                   "num_warps": 4})
     cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=32, n_sel=4, n_init=1, n_local=1, window=8)
     cu = torch.tensor([0, 7, 150, 151, 300], dtype=torch.int32) if packed else None

@@ -12,13 +12,14 @@ columns a chunk of compressed blocks: the program walks the selection blocks of 
 BLOCK_J and, per chunk, loops over the G query heads of the KV head: recomputes head g's logits against the
 R compressed blocks that start in each selection block (R = l'/d), turns them into probabilities with head
 g's LSE (exp2 domain) and adds them to one fp32 tile, so the sum over heads is an elementwise add in
-registers (no reduction across threads) and the chunk's keys are loaded once for all G heads. Then per
-selection block j it adds the group of j and the tails of the groups before it whose blocks reach into j
-(with C = l/d - 1, group j-k contributes its blocks u >= k*R - C): every block overlapping j is counted
-once. A tail moves k blocks to the right (from the previous chunk for the first k) with tl.gather: pure
-data movement, so the move is exact. Only the chunks that reach past some token's last visible block pay
-for the causal mask (applied once to the head sum); tokens outside the current pass get an LSE of +inf,
-so their probabilities are 0 without one.
+registers (no reduction across threads) and the chunk's keys are loaded once for all G heads. Selection
+block j overlaps compressed blocks j*R - C ... j*R + R - 1 (C = l/d - 1): its group (the R blocks starting
+inside j) and its tail (the C blocks before them, which reach into j). The tails have their own, smaller
+dot: a second key tile holds, per selection block of the chunk, its C tail blocks, so the score of j is
+the sum of one row of the group tile plus one row of the tail tile, with no data moved between columns
+(a shift of the group tile's columns, by gathers, cost 40% of the kernel). Only the chunks that reach past
+some token's last visible block pay for the causal mask (applied once to the head sums); tokens outside
+the current pass get an LSE of +inf, so their probabilities are 0 without one.
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
 
@@ -42,6 +43,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_KEEP = 64
+MAX_TAIL = 63  # tail blocks per selection block (block_cmp / stride_cmp - 1)
 
 
 def _np2(x: int) -> int:
@@ -69,7 +71,7 @@ def _topn_kernel(
     sib, sit, sih, sin,
     T, Hkv, G, D, n_sel, n_init, n_local, qk_scale,
     n_tiles,
-    R: tl.constexpr, C: tl.constexpr, K_BACK: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr,
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     KEEP: tl.constexpr, HEAD_STAGES: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
@@ -77,6 +79,7 @@ def _topn_kernel(
     # KEEP: slots of the kept list (n_sel of them live)
     DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
     BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
+    BLOCK_TAIL: tl.constexpr = BLOCK_J * C_PAD
     tile = n_tiles - 1 - tl.program_id(0)  # the longest tiles (most blocks) first
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -102,8 +105,10 @@ def _topn_kernel(
     kk = tl.arange(0, BLOCK_C)
     jj_c = kk // R_PAD
     u_c = kk % R_PAD
-    u3 = tl.arange(0, R_PAD)[None, None, :]
-    jsel = tl.arange(0, BLOCK_J)[None, :] + tl.zeros([BLOCK_T, BLOCK_J], tl.int32)  # chunk column per token
+    # Tail blocks of a chunk: ee = jj * C_PAD + c is block (j0 + jj) * R - C + c (c < C).
+    ee = tl.arange(0, BLOCK_TAIL)
+    jj_e = ee // C_PAD
+    c_e = ee % C_PAD
 
     # The kept keys of each token, unsorted: n_sel live slots (filled with distinct negative sentinels) and
     # KEEP - n_sel dead ones (a huge value: never the minimum, never replaced, ignored at the end).
@@ -123,12 +128,16 @@ def _topn_kernel(
                 i_full = -1
             j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
             i_hi = tl.max(last, axis=0)
-            prev = tl.zeros([BLOCK_T, BLOCK_J, R_PAD], tl.float32)  # the previous chunk's per-block sums
             for j0 in range(0, j_hi + 1, BLOCK_J):
                 i_loc = (j0 + jj_c) * R + u_c
                 kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
-                # The sum over heads, in head order: the same adds for every block (bitwise-equal ties).
+                i_tail = (j0 + jj_e) * R - C + c_e
+                tail_ok = (c_e < C) & (i_tail >= 0)
+                if C > 0:
+                    kt = _load_blocks(kc_base, cur, i_tail, i_hi, skn, tail_ok, d_ok, EVEN_D)
+                # The sums over heads, in head order: the same adds for every block (bitwise-equal ties).
                 p = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+                pt = tl.zeros([BLOCK_T, BLOCK_TAIL], tl.float32)
                 # Pointers step one head at a time: a head stride times g may pass 2**31 (a transposed q).
                 q_ptr, lse_ptr = q_base, lse_base
                 for _g in tl.range(0, G, num_stages=HEAD_STAGES):
@@ -146,19 +155,20 @@ def _topn_kernel(
                     else:
                         s = tl.dot(qg, tl.trans(kc))
                     p += tl.exp2(s * qk_scale - lse2p[:, None])
+                    if C > 0:
+                        if IEEE:
+                            st = tl.dot(qg, tl.trans(kt), input_precision="ieee")
+                        else:
+                            st = tl.dot(qg, tl.trans(kt))
+                        pt += tl.exp2(st * qk_scale - lse2p[:, None])
                 if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some token's last block
                     p = tl.where((i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :], p, 0.0)
-                ps = tl.reshape(p, [BLOCK_T, BLOCK_J, R_PAD])
-                score = tl.sum(ps, axis=2)  # the group of j: blocks starting inside j
-                for kb in tl.static_range(1, K_BACK + 1):  # blocks of group j - kb that reach into j
-                    cut = kb * R - C
-                    t_cur = tl.sum(tl.where(u3 >= cut, ps, 0.0), axis=2)
-                    t_prev = tl.sum(tl.where(u3 >= cut, prev, 0.0), axis=2)
-                    # Move kb columns right (a gather: exact), the first kb from the previous chunk.
-                    moved = tl.gather(t_cur, tl.maximum(jsel - kb, 0), axis=1)
-                    carried = tl.gather(t_prev, tl.minimum(jsel - kb + BLOCK_J, BLOCK_J - 1), axis=1)
-                    score = score + tl.where(jsel >= kb, moved, carried)
-                prev = ps
+                # The group of j (blocks starting inside j), then its tail.
+                score = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_J, R_PAD]), axis=2)
+                if C > 0:
+                    # Tail blocks are below the group's: masked by the same causal rule (and padding).
+                    pt = tl.where((i_tail[None, :] <= last[:, None]) & tail_ok[None, :], pt, 0.0)
+                    score += tl.sum(tl.reshape(pt, [BLOCK_T, BLOCK_J, C_PAD]), axis=2)
                 jg = j0 + tl.arange(0, BLOCK_J)[None, :]
                 cand = act_tok[:, None] & (jg <= jt_tok[:, None])
                 forced = cand & ((jg < n_init) | (jg > jt_tok[:, None] - n_local))
@@ -195,25 +205,29 @@ def unsupported(cfg) -> str | None:
     """Why the kernel cannot run this configuration (None when it can)."""
     if cfg.n_sel > MAX_KEEP:
         return f"n_sel={cfg.n_sel} > {MAX_KEEP}: the top-n kernel keeps at most {MAX_KEEP} keys per query"
-    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
-    if -(-c // r) > _block_j(cfg, 32):
-        return (f"block_cmp={cfg.block_cmp} spans more than {_block_j(cfg, 32)} selection blocks of {cfg.block_sel}: "
-                "the kernel sums the overlap over at most one chunk of selection blocks")
+    c = cfg.block_cmp // cfg.stride_cmp - 1
+    if c > MAX_TAIL:
+        return (f"block_cmp={cfg.block_cmp} is {c + 1} strides of {cfg.stride_cmp}: the top-n kernel handles at most "
+                f"{MAX_TAIL + 1} (block_cmp <= {MAX_TAIL + 1} * stride_cmp)")
     return None
 
 
-def _block_j(cfg, cmp_per_chunk: int = 64) -> int:
-    """Selection blocks per chunk: about `cmp_per_chunk` compressed blocks."""
-    return max(cmp_per_chunk // _np2(cfg.block_sel // cfg.stride_cmp), 2)
+def chunk_shape(cfg, cmp_per_chunk: int) -> tuple[int, int, int]:
+    """(selection blocks per chunk, padded group width R_PAD, padded tail width C_PAD): about `cmp_per_chunk`
+    columns in the wider of the two tiles, and at least 16 in each (tl.dot's smallest N)."""
+    r_pad = _np2(cfg.block_sel // cfg.stride_cmp)
+    c_pad = _np2(max(cfg.block_cmp // cfg.stride_cmp - 1, 1))
+    block_j = max(cmp_per_chunk // max(r_pad, c_pad), 2)
+    return block_j, max(r_pad, 16 // block_j), max(c_pad, 16 // block_j)
 
 
-def tile_config(G: int, D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tokens per program (the dot's rows), compressed blocks per chunk (its columns), the head loop's
-    pipeline depth and warps. H100, G=16, D=128, bf16, 64k: 64 tokens x 128 blocks with 3 stages took
-    12.5 ms, 64 x 64 12.5-16.6 ms, 128-token tiles 13.1-40 ms, and rows of tokens x heads (a sum over heads
-    across threads) 14.8 ms (bench/results/h100-cu130-torch2.11/tune_topn_sel.csv; bench/tune_kernels.py
-    runs the same grid). Wide heads keep the shared memory of the pipelined q tiles in bounds; fp32 (IEEE
-    dots on CUDA cores) takes smaller tiles."""
+def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tokens per program (the dot's rows), compressed blocks per chunk (the group tile's columns), the head
+    loop's pipeline depth and warps. H100, G=16, D=128, bf16, 64k: 64 tokens x 128 blocks with 3 stages took
+    8.9 ms; 64 x 128 with 2 stages 9.9 ms, 64 x 256 9.7-25 ms, 64 x 64 12.7-20 ms, 128-token tiles 11.2-62 ms
+    (bench/results/h100-cu130-torch2.11/tune_topn.csv; bench/tune_kernels.py runs the same grid). Wide
+    heads keep the shared memory of the pipelined q tiles in bounds; fp32 (IEEE dots on CUDA cores) takes
+    smaller tiles."""
     if dtype == torch.float32:
         return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4}
     if D > 128:
@@ -235,16 +249,15 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     fail = unsupported(cfg)
     if fail:
         raise ValueError(fail)
-    r_pad = _np2(r)
-    meta = {**tile_config(G, Dk, q.dtype), **(config or {})}
-    block_j = _block_j(cfg, meta.pop("CMP_PER_CHUNK", 64))
+    meta = {**tile_config(Dk, q.dtype), **(config or {})}
+    block_j, r_pad, c_pad = chunk_shape(cfg, meta.pop("CMP_PER_CHUNK", 64))
     warps = meta.pop("num_warps")
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])
     _topn_kernel[(n_tiles, B * Hkv)](
         q, k_cmp, lse, seq_start, cmp_slot0, idx,
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
-        R=r, C=c, K_BACK=-(-c // r), STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
+        R=r, C=c, C_PAD=c_pad, STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
         BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
         EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32,
         num_warps=warps, **meta,

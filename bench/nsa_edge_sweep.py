@@ -56,8 +56,9 @@ def main() -> int:
         fused = served["sel"] == ["triton"] and served["combine"] == ["triton"] and served["topn"] == ["triton"]
         ok = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(x).all()) for x in grads) and (fused or T == 0)
         bad += not ok
-        print(f"lengths={lengths} B={B} T={T} Hq={Hq} Hkv={Hkv} D={Dk}/{Dv} {dtype}: {'ok' if ok else 'BAD'} {served}",
-              flush=True)
+        core = any(e["event"] == "dense_core" for e in telemetry.snapshot()["events"])
+        print(f"lengths={lengths} B={B} T={T} Hq={Hq} Hkv={Hkv} D={Dk}/{Dv} {dtype}: {'ok' if ok else 'BAD'} {served}"
+              f"{' dense_core' if core else ''}", flush=True)
     # The kernels alone in fp32 (the fused pipeline needs fp16/bf16 for FA-2).
     from nsa.branches.selected.naive import top_n_blocks
     from nsa.kernels.triton.selection import selected_attention_triton

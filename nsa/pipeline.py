@@ -22,6 +22,7 @@ import os
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import dense_core, telemetry
 from .branches.attend import compute_dtype
 from .branches.compressed.naive import compressed_chunk
 from .branches.selected.naive import dedupe_indices, selected_chunk, topn_chunk
@@ -74,6 +75,11 @@ def run_fused(plan: Plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=No
     scale = cfg.softmax_scale(q.shape[-1])
     kc, vc, kw, vw = _branch_kv(k, v, kv_cmp, kv_win)
     k_cmp, v_cmp = compress_kv(kc, vc, layout, cfg, compress_fn)
+    if plan.dense_core:
+        given = dedupe_indices(block_indices).to(torch.int32) if block_indices is not None else None
+        telemetry.event("pipeline", "fused", "dense_core")
+        out, indices = dense_core.run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, given)
+        return out, (indices if need_indices else None)
     o_cmp, lse = plan.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
     if block_indices is not None:
         indices = dedupe_indices(block_indices).to(torch.int32)

@@ -22,7 +22,8 @@ chunked loop.
 
 Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
 top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
-(nsa.pipeline.run_fused). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
+(nsa.pipeline.run_fused); for dense input on FA-2-family providers it runs as one autograd node
+(Plan.dense_core, nsa.dense_core). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
 implementations exist as hooks (nsa.pipeline.run_chunked). backend="torch" is always chunked;
 backend="reference" is the fp64 oracle.
 """
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import telemetry
+from . import dense_core, telemetry
 from . import toggles as _toggles
 from .branches.compressed.fa2 import compressed_fa2
 from .branches.compressed.sdpa import compressed_sdpa
@@ -66,12 +67,14 @@ class Step:
     reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
     fn: Callable | None = None  # whole-T implementation (branch signature); None: the chunked torch path
     detail: str = ""
+    impl: tuple | None = None  # cmp / win on an FA-2-family provider: (provider, CallContext)
 
 
 @dataclass
 class Plan:
     executor: str  # "fused" | "chunked" | "reference"
     steps: dict[str, Step] = field(default_factory=dict)
+    dense_core: bool = False  # fused executor: the steps run as one autograd node (nsa.dense_core)
 
     def __getattr__(self, name):
         steps = self.__dict__.get("steps", {})
@@ -81,7 +84,8 @@ class Plan:
 
     def describe(self) -> dict:
         """{"executor": ..., "cmp": "torch_flash", ...}: what served each step (reports, benches)."""
-        return {"executor": self.executor, **{k: s.provider for k, s in self.steps.items()}}
+        return {"executor": self.executor, "dense_core": self.dense_core,
+                **{k: s.provider for k, s in self.steps.items()}}
 
 
 def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg, n_cmp: int = 0) -> tuple[str, str, str]:
@@ -191,12 +195,13 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
         kb, vb = pair or (k, v)
         ctx = ctx_for(kb, vb, [q, kb, vb])
         name, reason, detail = _fa2_choice(branch, backend, ctx, tg, cfg.n_cmp_blocks(ctx.max_len))
-        fn = None
+        fn = impl = None
         if name == "sdpa":
             fn = functools.partial(impl_sdpa, tg)
         elif name != "torch":
-            fn = functools.partial(impl_fa2, CUDNN if name == CUDNN.name else PROVIDERS[name], ctx, tg)
-        steps[branch] = Step(name, reason, fn, detail)
+            impl = (CUDNN if name == CUDNN.name else PROVIDERS[name], ctx)
+            fn = functools.partial(impl_fa2, impl[0], ctx, tg)
+        steps[branch] = Step(name, reason, fn, detail, impl)
 
     sel_ctx = ctx_for(k, v, [q, k, v])
     name, reason, detail = _triton_choice("sel", sel_backend, sel_ctx, tg, cfg)
@@ -227,11 +232,12 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
             steps["combine"] = Step("triton", "ok", _combine_triton)
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
+    core = fused and dense_core.applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
-    return Plan("fused" if fused else "chunked", steps)  # T == 0 never runs either (nsa.pipeline.run)
+    return Plan("fused" if fused else "chunked", steps, core)  # T == 0 never runs either (nsa.pipeline.run)
 
 
 # --- the Triton steps, bound lazily so that planning never imports triton ----------------------------------

@@ -242,3 +242,83 @@ def test_combine_kernel_forward_backward(gen):
         assert rel_err(a, b) <= 1e-6
     with pytest.raises(ValueError, match="do not match"):
         combine.gate_combine(g, o[0], o[1][:, :4], o[2])
+
+
+# --- the dense core: the fused pipeline as one autograd node (compressed branch folded by view) ------------
+
+
+def _core_events():
+    return sum(e["calls"] for e in telemetry.snapshot()["events"] if e["event"] == "dense_core")
+
+
+CORE_CASES = [("flash_attn", CFGS[0], 45), ("flash_attn", CFGS[0], 44), ("flash_attn", CFGS[2], 61),
+              ("flash_attn", CFGS[3], 40), ("flash_attn", CFGS[4], 70), ("torch_cudnn", CFGS[0], 45),
+              ("torch_cudnn", CFGS[2], 60)]
+
+
+@pytest.mark.parametrize("provider,cfg,T", CORE_CASES,
+                         ids=["l8d4-tail", "l8d4-notail", "l16d4", "l8d8", "l16d8", "cudnn-l8d4", "cudnn-l16d4"])
+def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
+    """Outputs, indices and every gradient equal the torch path's, and the core ran (its event)."""
+    if provider == "torch_cudnn":
+        fused.setattr(plan, "CUDNN", backend_fakes.emulated_cudnn())
+    q, k, v, g = make_inputs(gen, 2 if T == 45 else 1, T, 4, 2, 16, 16, torch.float32, True)
+    want, want_idx = nsa_attention(q, k, v, g, cfg, backend="torch", return_indices=True)
+    telemetry.reset()
+    got, idx = nsa_attention(q, k, v, g, cfg, return_indices=True)
+    assert telemetry.served("cmp") == {provider: 1} and telemetry.snapshot()["fallbacks"] == 0
+    assert _core_events() == 1
+    assert torch.equal(idx, want_idx)
+    assert rel_err(got, want) <= 2e-5
+    go = torch.randn(want.shape, generator=gen)
+    grads = zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go))
+    for name, a, b in grads:
+        assert rel_err(a, b) <= 2e-5, name
+
+
+def test_dense_core_retained_graph_and_toggle(fused, gen):
+    """A second backward through a kept graph gives the same gradients; NSA_DENSE_CORE=0 runs the separate
+    operations (no event) with the same result."""
+    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32, True)
+    go = torch.randn(1, 45, 4, 16, generator=gen)
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG)
+    first = torch.autograd.grad(got, (q, k, v, g), go, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(got, (q, k, v, g), go)):
+        assert torch.equal(a, b)
+    assert _core_events() == 1
+    fused.setenv("NSA_DENSE_CORE", "0")
+    off = nsa_attention(q, k, v, g, CFG)
+    assert _core_events() == 1 and rel_err(off, got) <= 2e-5
+    for name, a, b in zip("qkvg", torch.autograd.grad(off, (q, k, v, g), go), first):
+        assert rel_err(a, b) <= 2e-5, name
+
+
+def test_dense_core_given_blocks_and_separate_window_kv(fused, gen):
+    q, k, v, g = make_inputs(gen, 1, 50, 4, 2, 16, 16, torch.float32, True)
+    kw, vw = (torch.randn(1, 50, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    idx = torch.randint(-1, 7, (1, 50, 2, CFG.n_sel), generator=gen, dtype=torch.int32)
+    want = nsa_attention(q, k, v, g, CFG, backend="torch", block_indices=idx, kv_win=(kw, vw))
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG, block_indices=idx, kv_win=(kw, vw))
+    assert _core_events() == 1
+    assert rel_err(got, want) <= 2e-5
+    go = torch.randn(want.shape, generator=gen)
+    ins = (q, k, v, g, kw, vw)
+    for name, a, b in zip(["q", "k", "v", "g", "kw", "vw"], torch.autograd.grad(got, ins, go),
+                          torch.autograd.grad(want, ins, go)):
+        assert rel_err(a, b) <= 2e-5, name
+
+
+@pytest.mark.parametrize("why", ["short", "packed", "padded_heads", "transposed_q"])
+def test_dense_core_not_used_where_it_does_not_apply(fused, gen, why):
+    T = 12 if why == "short" else 40  # l8d4: rows start at token 7, two rows need T >= 15
+    Dv = 8 if why == "padded_heads" else 16
+    q, k, v, g = make_inputs(gen, 1, T, 4, 2, 16, Dv, torch.float32)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32) if why == "packed" else None
+    if why == "transposed_q":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu)
+    assert _core_events() == 0 and telemetry.served("sel") == {"triton": 1}
+    assert rel_err(got, nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, backend="torch")) <= 2e-5

@@ -128,3 +128,51 @@ def unfold_lse(lse: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
         lse = lse.view(p.Hkv, p.d, p.G, p.n_groups).permute(3, 1, 0, 2)
         lse = lse.reshape(p.n_groups * p.d, p.Hkv * p.G).index_select(0, p.rows)[None]
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+
+
+# --- Folding by view (dense input, no copy of q) -----------------------------------------------------------
+#
+# Start at token t0 = l - 1 instead of padding: token t = t0 + m*d + r (0 <= r < d) sees the blocks
+# i <= (t - l + 1)/d = m + r/d, i.e. i <= m for every r. So row m of d consecutive tokens from t0 sees
+# blocks 0..m: causal attention of n_rows rows over the first n_rows blocks, square (top-left and
+# bottom-right alignment agree). For a q whose token stride is Hq times its head stride (a contiguous q),
+# the rows are a VIEW: q[:, t0:t0 + n_rows*d] is [B, n_rows, d*Hq, D] with folded head r*Hq + h. Its KV
+# head must be (r, kv) = r*Hkv + h // G for plain GQA with group G, so K/V get d copies per block
+# ([B, n_rows, d*Hkv, D]: d copies of T/d blocks, 1/G of q's size). Tokens before t0 see nothing; the last
+# (T - t0) mod d tokens (the tail, fewer than d) see blocks 0..n_rows and are computed apart.
+
+
+def view_rows(T: int, cfg: NSAConfig) -> tuple[int, int]:
+    """(t0, n_rows): the first folded token and the number of whole rows of d tokens from it."""
+    t0 = cfg.block_cmp - 1
+    return t0, max(0, (T - t0) // cfg.stride_cmp)
+
+
+def view_foldable(q: torch.Tensor) -> bool:
+    """q's tokens can be viewed as rows of d*Hq heads: token stride = Hq * head stride, head dim contiguous."""
+    return q.stride(-1) == 1 and q.stride(1) == q.shape[2] * q.stride(2)
+
+
+def fold_q_view(q: torch.Tensor, t0: int, n_rows: int, d: int) -> torch.Tensor:
+    """[B, n_rows, d*Hq, D], a view of q's tokens [t0, t0 + n_rows*d)."""
+    B, _, Hq, D = q.shape
+    return q[:, t0:t0 + n_rows * d].view(B, n_rows, d * Hq, D)
+
+
+def expand_kv(x: torch.Tensor, n_rows: int, d: int) -> torch.Tensor:
+    """Blocks [0, n_rows) of x [B, Nc, Hkv, D] as [B, n_rows, d*Hkv, D], KV head r*Hkv + kv (a copy)."""
+    B, _, Hkv, D = x.shape
+    return x[:, :n_rows, None].expand(B, n_rows, d, Hkv, D).reshape(B, n_rows, d * Hkv, D)
+
+
+def unfold_view_o(o: torch.Tensor, Hq: int) -> torch.Tensor:
+    """Kernel output [B, n_rows, d*Hq, Dv] -> [B, n_rows*d, Hq, Dv] (tokens t0...; a view when the kernel
+    wrote rows contiguously, as FA-2 and cuDNN do)."""
+    B, n, _, Dv = o.shape
+    return o.reshape(B, -1, Hq, Dv)
+
+
+def unfold_view_lse(lse: torch.Tensor, Hq: int, d: int) -> torch.Tensor:
+    """Kernel LSE [B, d*Hq, n_rows] -> [B, n_rows*d, Hq] fp32."""
+    B, _, n = lse.shape
+    return lse.float().view(B, d, Hq, n).permute(0, 3, 1, 2).reshape(B, n * d, Hq)

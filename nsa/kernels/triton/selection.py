@@ -70,9 +70,12 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float):
     return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N)
 
 
-def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float):
-    """Raw backward: (dq, dk, dv) in the dtypes of q, k, v (nsa.kernels.triton.selection_bwd: no atomics)."""
-    return selection_bwd.sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel, scale)
+def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, dq_into=None,
+                 dq_more=None):
+    """Raw backward: (dq, dk, dv) in the dtypes of q, k, v (nsa.kernels.triton.selection_bwd: no atomics).
+    dq_into / dq_more: other gradients of q, to which this branch's dq is added (see selection_bwd)."""
+    return selection_bwd.sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel, scale, dq_into=dq_into,
+                                      dq_more=dq_more)
 
 
 class SelectedAttentionTriton(torch.autograd.Function):

@@ -107,7 +107,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _sel_bwd_dq_kernel(
-    Q, K, V, KD, VD, IDX, SS, O, DO, LSE, DELTA, DQ,
+    Q, K, V, KD, VD, IDX, SS, O, DO, LSE, DELTA, DQ, DQ2,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -117,10 +117,14 @@ def _sel_bwd_dq_kernel(
     sdob, sdot, sdoh, sdod,
     slb, slt, slh,
     sdqb, sdqt, sdqh, sdqd,
+    s2b, s2t, s2h, s2d, t2_lo, t2_hi,
     Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
 ):
+    # ACCUMULATE: DQ holds the other branches' dq; add this branch's to it in fp32 (one rounding, no extra pass).
+    # DQ2 holds more of them for tokens [t2_lo, t2_hi) (row t - t2_lo), added the same way.
     t = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -179,8 +183,14 @@ def _sel_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds, kb, IEEE)
 
-    tl.store(DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rdk[None, :] * sdqd,
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & dk_ok[None, :])
+    dq_ptr = DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rdk[None, :] * sdqd
+    dq = dq * sm_scale
+    if ACCUMULATE:
+        dq += tl.load(dq_ptr, mask=g_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
+        if (t >= t2_lo) & (t < t2_hi):
+            dq += tl.load(DQ2 + b * s2b + (t - t2_lo) * s2t + heads[:, None] * s2h + rdk[None, :] * s2d,
+                          mask=g_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=g_ok[:, None] & dk_ok[None, :])
 
 
 @triton.jit
@@ -312,27 +322,37 @@ def _empty(shape, like, dtype=None):
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float):
+def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, dq_into=None,
+                 dq_more=None):
     """(dq, dk, dv) in the dtypes of q, k, v. indices: no repeated block in a row (the entry point
-    deduplicates)."""
-    grads, launches = backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel, scale)
+    deduplicates). dq_into: a [B, T, Hq, Dk] tensor of q's dtype holding other gradients of q; this
+    branch's dq is added to it in place (and it is returned as dq). dq_more: (x, t_lo), more of them for
+    tokens [t_lo, t_lo + x.shape[1]) (x [B, n, Hq, Dk], any strides), added too (needs dq_into)."""
+    grads, launches = backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel, scale,
+                                        dq_into=dq_into, dq_more=dq_more)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return grads
 
 
 def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, cfg=None,
-                      n_programs=None):
+                      n_programs=None, dq_into=None, dq_more=None):
     """((dq, dk, dv), [(kernel, grid, args, kwargs), ...]): the outputs and the kernel launches that fill
     them, in order (dq + delta, dk/dv, reduce). The reverse index and the work plan are built here.
     cfg / n_programs: launch parameters for another device than q's (ahead-of-time compile checks)."""
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
-    dq = _empty(q.shape, q)
+    if dq_into is not None and (dq_into.shape != q.shape or dq_into.dtype != q.dtype):
+        raise ValueError(f"dq_into must be {tuple(q.shape)} {q.dtype}, got {tuple(dq_into.shape)} {dq_into.dtype}")
+    dq = _empty(q.shape, q) if dq_into is None else dq_into
+    if dq_more is not None and dq_into is None:
+        raise ValueError("dq_more needs dq_into")
+    dq2, t2_lo = dq_more if dq_more is not None else (dq, 0)
+    t2_hi = t2_lo + dq2.shape[1] if dq_more is not None else 0
     dk = _empty(k.shape, k)
     dv = _empty(v.shape, v)
     if B * T * Hq == 0:
-        return (dq.zero_(), dk.zero_(), dv.zero_()), []
+        return (dq if dq_into is not None else dq.zero_(), dk.zero_(), dv.zero_()), []
     G = Hq // Hkv
     cfg = cfg or bwd_config(G, Dk, Dv, block_sel, q.dtype, q.device, tma=tma.supported(k, v))
     n_programs = n_programs or _n_programs(q.device)
@@ -345,11 +365,11 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     kd, vd = tma.kv_descriptors(dqc.get("TMA", False), k, v, dqc["BLOCK_N"], dqc["BLOCK_DK"], dqc["BLOCK_DV"],
                                 "sel_dq")
     launches.append((_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
-        q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq,
+        q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq, dq2,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
-        *lse.stride(), *dq.stride(),
+        *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale,
-    ), dict(IEEE=cfg["ieee"], **dqc)))
+    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, **dqc)))
 
     plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"])
     part = torch.empty(plan.n_partials_bound, cfg["ls_pad"], Dk + Dv, device=q.device, dtype=torch.float32)

@@ -230,8 +230,8 @@ def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     smaller tiles."""
     if dtype == torch.float32:
         return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4}
-    if D > 128:
-        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 64, "HEAD_STAGES": 2, "num_warps": 4}
+    if D > 128:  # D=192 (padded to 256), 64k: 15.5 ms; 64 x 128 x 3 stages 16.3 ms; 64 x 64 24.5 ms
+        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 256, "HEAD_STAGES": 2, "num_warps": 8}
     return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4}
 
 

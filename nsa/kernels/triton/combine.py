@@ -126,17 +126,20 @@ def _meta(Dv: int) -> dict:
     return {"BLOCK_R": max(1, 4096 // bd), "BLOCK_D": bd, "num_warps": 4}
 
 
+def _launch(kernel, R: int, Dv: int, *args) -> None:
+    """One program per BLOCK_R rows of the R = B*T*Hq rows (nothing to do for R = 0)."""
+    if R:
+        meta = _meta(Dv)
+        kernel[(triton.cdiv(R, meta["BLOCK_R"]),)](*args, **meta)
+
+
 def combine_forward(gates, a: Segments, o_sel, o_win):
     """out [B, T, Hq, Dv] in o_sel's dtype (o_cmp given as Segments)."""
     B, T, Hq, Dv = o_sel.shape
     out = torch.empty(B, T, Hq, Dv, device=o_sel.device, dtype=o_sel.dtype)
-    R = B * T * Hq
-    if R:
-        m, t, lo, hi, hi2, *sa = a.args()
-        meta = _meta(Dv)
-        _combine_fwd[(triton.cdiv(R, meta["BLOCK_R"]),)](
-            gates, m, t, o_sel, o_win, out, R, T, Hq, Dv, lo, hi, hi2, *gates.stride(), *sa,
-            *o_sel.stride(), *o_win.stride(), *out.stride(), **meta)
+    m, t, lo, hi, hi2, *sa = a.args()
+    _launch(_combine_fwd, B * T * Hq, Dv, gates, m, t, o_sel, o_win, out, B * T * Hq, T, Hq, Dv, lo, hi, hi2,
+            *gates.stride(), *sa, *o_sel.stride(), *o_win.stride(), *out.stride())
     return out
 
 
@@ -148,14 +151,11 @@ def combine_backward(dout, gates, a: Segments, o_sel, o_win):
                   torch.empty(a.tail.shape, device=a.tail.device, dtype=a.tail.dtype))
     ds = torch.empty(B, T, Hq, Dv, device=o_sel.device, dtype=o_sel.dtype)
     dw = torch.empty(B, T, Hq, Dv, device=o_win.device, dtype=o_win.dtype)
-    R = B * T * Hq
-    if R:
-        m, t, lo, hi, hi2, *sa = a.args()
-        meta = _meta(Dv)
-        _combine_bwd[(triton.cdiv(R, meta["BLOCK_R"]),)](
-            gates, m, t, o_sel, o_win, dout, dg, da.main, da.tail if da.tail.numel() else da.main, ds, dw, R, T, Hq,
-            Dv, lo, hi, hi2,
-            *gates.stride(), *sa, *o_sel.stride(), *o_win.stride(), *dout.stride(), **meta)
+    m, t, lo, hi, hi2, *sa = a.args()
+    da_tail = da.tail if da.tail.numel() else da.main  # an empty tail is never written: any valid pointer
+    _launch(_combine_bwd, B * T * Hq, Dv, gates, m, t, o_sel, o_win, dout, dg, da.main, da_tail, ds, dw,
+            B * T * Hq, T, Hq, Dv, lo, hi, hi2, *gates.stride(), *sa, *o_sel.stride(), *o_win.stride(),
+            *dout.stride())
     return dg, da, ds, dw
 
 

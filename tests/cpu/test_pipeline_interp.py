@@ -178,6 +178,9 @@ def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
 def test_topn_kernel_rejects_unsupported_config():
     cfg = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=65, n_init=1, n_local=1)
     assert "n_sel=65" in topn.unsupported(cfg)
+    assert topn.unsupported(NSAConfig(block_cmp=256, stride_cmp=4, block_sel=8, n_sel=4)) is None
+    long_cmp = NSAConfig(block_cmp=260, stride_cmp=4, block_sel=8, n_sel=4)
+    assert "65 strides" in topn.unsupported(long_cmp)
 
 
 # --- exact ties: every path picks the lower block, whatever its chunking or reduction order ---------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .branches.attend import compute_dtype
+from .branches.attend import attend, compute_dtype
 from .branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_foldable, view_rows
 from .kernels.fa2 import guards
 
@@ -62,13 +62,13 @@ def applies(plan_steps, ctx, toggles, q, cfg, given_indices: bool) -> tuple[bool
 
 def _tail_attention(q, k_cmp, v_cmp, scale):
     """The tail tokens (fewer than d after the last whole row) all see every block of k_cmp [B, n+1, Hkv, D]:
-    plain attention in the compute dtype. (o [B, C, Hq, Dv], lse [B, C, Hq] fp32)."""
+    unmasked attention in the compute dtype. (o [B, C, Hq, Dv], lse [B, C, Hq] fp32)."""
     B, C, Hq, D = q.shape
-    Hkv = k_cmp.shape[2]
+    Hkv, N = k_cmp.shape[2], k_cmp.shape[1]
     ct = compute_dtype(q.dtype)
-    s = torch.einsum("bchgd,bnhd->bchgn", q.to(ct).view(B, C, Hkv, Hq // Hkv, D), k_cmp.to(ct)) * scale
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    o = torch.einsum("bchgn,bnhd->bchgd", torch.exp(s - lse), v_cmp.to(ct))
+    every = torch.ones(B, C, N, dtype=torch.bool, device=q.device)
+    o, lse = attend(q.to(ct).view(B, C, Hkv, Hq // Hkv, D), k_cmp.to(ct), v_cmp.to(ct), every, scale,
+                    return_lse=True)
     return o.reshape(B, C, Hq, -1), lse.reshape(B, C, Hq).float()
 
 
@@ -101,7 +101,8 @@ class DenseCore(torch.autograd.Function):
             cmp_in = (_leaf(fold_q_view(q, t0, n, d)), _leaf(expand_kv(k_cmp, n, d)), _leaf(expand_kv(v_cmp, n, d)))
             o_rows, lse_rows = prov_cmp.attn(*cmp_in, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
             o_main = unfold_view_o(o_rows, Hq)
-            lse = torch.full((B, T, Hq), float("-inf"), device=q.device, dtype=torch.float32)
+            lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
+            lse[:, :t0] = float("-inf")  # tokens before the first row see no block
             lse[:, t0:ta] = unfold_view_lse(lse_rows.detach(), Hq, d)
             tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
             o_tail, lse_tail = _tail_attention(*tail_in, scale)

@@ -77,6 +77,20 @@ def _packed(gen, lengths, Hq, Hkv, Dk, Dv, dtype=torch.float32, requires_grad=Fa
 # --- the fused executor end to end ------------------------------------------------------------------------
 
 
+def _auto_matches_torch_path(gen, q, k, v, g, cfg, cu=None):
+    """backend="auto" (telemetry reset first, for the caller to check) against the torch path: the same
+    indices, outputs and gradients of q, k, v and gates within 2e-5."""
+    want, want_idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
+    telemetry.reset()
+    got, idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, return_indices=True)
+    assert torch.equal(idx, want_idx)
+    assert rel_err(got, want) <= 2e-5
+    go = torch.randn(got.shape, generator=gen)
+    grads = zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go))
+    for name, a, b in grads:
+        assert rel_err(a, b) <= 2e-5, name
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cfg", CFGS[:3], ids=["l8d4s8", "l8d4s16", "l16d4s8"])
 def test_fused_matches_torch_path(fused, gen, cfg, packed):
@@ -84,16 +98,8 @@ def test_fused_matches_torch_path(fused, gen, cfg, packed):
         q, k, v, g, cu = _packed(gen, [0, 1, 7, 8, 0, 33, 20], 4, 2, 16, 8, requires_grad=True)
     else:
         (q, k, v, g), cu = make_inputs(gen, 2, 45, 4, 2, 16, 8, torch.float32, True), None
-    want, want_idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, backend="torch", return_indices=True)
-    telemetry.reset()
-    got, idx = nsa_attention(q, k, v, g, cfg, cu_seqlens=cu, return_indices=True)
+    _auto_matches_torch_path(gen, q, k, v, g, cfg, cu)
     assert_fused()
-    assert torch.equal(idx, want_idx)
-    assert rel_err(got, want) <= 2e-5
-    go = torch.randn(got.shape, generator=gen)
-    grads = zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go))
-    for name, a, b in grads:
-        assert rel_err(a, b) <= 2e-5, name
 
 
 def test_fused_vs_reference_with_reference_blocks(fused, gen):
@@ -266,17 +272,9 @@ def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
     if provider == "torch_cudnn":
         fused.setattr(plan, "CUDNN", backend_fakes.emulated_cudnn())
     q, k, v, g = make_inputs(gen, 2 if T == 45 else 1, T, 4, 2, 16, 16, torch.float32, True)
-    want, want_idx = nsa_attention(q, k, v, g, cfg, backend="torch", return_indices=True)
-    telemetry.reset()
-    got, idx = nsa_attention(q, k, v, g, cfg, return_indices=True)
+    _auto_matches_torch_path(gen, q, k, v, g, cfg)
     assert telemetry.served("cmp") == {provider: 1} and telemetry.snapshot()["fallbacks"] == 0
     assert _core_events() == 1
-    assert torch.equal(idx, want_idx)
-    assert rel_err(got, want) <= 2e-5
-    go = torch.randn(want.shape, generator=gen)
-    grads = zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), torch.autograd.grad(want, (q, k, v, g), go))
-    for name, a, b in grads:
-        assert rel_err(a, b) <= 2e-5, name
 
 
 def test_dense_core_retained_graph_and_toggle(fused, gen):

@@ -4,7 +4,8 @@
 
 For the paper's heads (Hq=64, Hkv=4, D=128, bf16, paper blocks) and each T: the fused top-n kernel
 (nsa.kernels.triton.topn) over tokens per program x warps, the selected-attention forward
-(nsa.kernels.triton.selection_fwd) over pipeline stages x tokens per program x warps, and the selection
+(nsa.kernels.triton.selection_fwd) over key-tile length x pipeline stages x warps (TMA copies, one token
+per program, the launch table's choice against the pointer-load one), and the selection
 backward as it is; each against dense causal FA-2 forward in the same process. Medians of
 triton.testing.do_bench with min/max; CSV + JSON in --out; the fastest configuration per kernel is
 printed last. Every configuration's output is compared with the default configuration's (indices equal,
@@ -41,6 +42,7 @@ def sweep(T, args, kernels):
 
     from nsa import plan as planning
     from nsa.compress import compress_kv
+    from nsa.kernels.triton import tma
     from nsa.kernels.triton.selection import sel_backward
     from nsa.kernels.triton.selection_fwd import launch_config, sel_forward
     from nsa.kernels.triton.topn import tile_config, topn_triton
@@ -76,11 +78,12 @@ def sweep(T, args, kernels):
                       [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw}
                        for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8))]))
     if "sel_fwd" in kernels:
-        default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype)
+        default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype, tma=tma.supported(k, v))
+        grid = [{"TMA": True, "TOKENS": 1, "BLOCK_N": bn, "STAGES": st, "num_warps": nw}
+                for bn, st, nw in itertools.product((16, 32, 64), (2, 3, 4), (1, 2))]
+        grid.append({"TMA": False, "TOKENS": 2, "BLOCK_N": 64, "STAGES": 3, "num_warps": 4})
         grids.append(("sel_fwd", default, sel, lambda out: bool(((out[0].float() - o_ref.float()).abs().max()
-                                                                 < 1e-2).item()),
-                      [{"STAGES": st, "TOKENS": tk, "num_warps": nw}
-                       for st, tk, nw in itertools.product((2, 3, 4), (1, 2), (1, 2, 4))]))
+                                                                 < 1e-2).item()), grid))
     rows = []
     for name, default, fn, check, confs in grids:
         for conf in confs:

@@ -43,7 +43,7 @@ DKDV_MAX_BLOCK_N = 64  # key tokens per dk/dv sub-tile
 CHUNK_ROWS = 16384  # rows (query tokens x G) per work item: bounds one program's work
 REDUCE_BLOCK_N = 16
 REDUCE_BLOCK_D = 64
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 8
 POISON_OUTPUTS = False  # tests: fill dq/dk/dv with NaN before the kernels (every element must be written)
 
 
@@ -56,11 +56,15 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     """Launch parameters of the three kernels (constexprs, plus num_warps / num_stages on a GPU).
 
     Defaults chosen from sm_90 compiles without register spills where possible (ptxas -v); bf16/fp16
-    D=128 keeps 64-token sub-tiles for wgmma at the cost of a small spill. The dk/dv warps, programs per SM
-    and chunk rows come from bench/tune_sel_bwd.py on an H100 at 64k (4 warps, 4 programs per SM, 16384
-    rows: 40.7 ms against 46.3 ms with 8 warps, 2 per SM, 8192 rows). `tma`: the dq kernel reads K/V
-    tiles by TMA (tma.py), with 3 stages where pointer loads had 2 (H100, 64k: whole backward 36.1 ms
-    against 38.0 with 2 stages and 37.2 with pointer loads). Tune here.
+    D=128 keeps 64-token sub-tiles for wgmma at the cost of a small spill. The dk/dv warps and chunk rows
+    come from bench/tune_sel_bwd.py on an H100 at 64k (4 warps and 16384 rows with 4 programs per SM:
+    40.7 ms against 46.3 ms with 8 warps, 2 per SM, 8192 rows); its query loop is not pipelined
+    (`--sweep dkdv_tile`, 64k: whole backward 34.9-36.0 ms against 36.2-37.0 with 2 stages; 8k: 4.46
+    against 4.61-4.65 ms): the kernel is bound by latency at 255 registers and 2 programs per SM (ncu: L2
+    65%, DRAM 46%, SM 27% of peak), and a second stage only adds shared memory. 8 programs per SM are
+    as fast or a little faster (34.9 ms against 34.9-36.0 with 4). `tma`: the dq kernel reads K/V tiles
+    by TMA (tma.py), with 3 stages where pointer loads had 2 (H100, 64k: whole backward 36.1 ms against
+    38.0 with 2 stages and 37.2 with pointer loads). Tune here.
     """
     bdk, bdv = max(16, _np2(Dk)), max(16, _np2(Dv))
     width = bdk + bdv
@@ -79,8 +83,7 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
         kv_bn, rows = 64, DKDV_ROWS
     kv_bn = min(max(16, _np2(block_sel)), DKDV_MAX_BLOCK_N, kv_bn)
     bg = min(_np2(G), rows)
-    dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
-                NUM_STAGES=2 if width <= 256 and not ieee else 1)
+    dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DV=bdv, NUM_STAGES=1)
     n_sub = triton.cdiv(block_sel, kv_bn)
     red = dict(BLOCK_N=min(REDUCE_BLOCK_N, kv_bn), BLOCK_D=REDUCE_BLOCK_D)
     if device.type == "cuda":

@@ -4,7 +4,17 @@ Group-centric: one program per (TOKENS consecutive tokens, batch x KV head, tile
 query heads of a KV head are the rows of tl.dot (padded to BLOCK_G >= 16), so each selected K/V block
 is loaded once per token and group. A program may walk TOKENS consecutive tokens in turn (fewer, longer
 programs); they share the forced blocks, but the pipelined copies bypass L1 (ncu at 64k: 0.4% L1 hits),
-so the kernel is bound by L2 bandwidth over the gathered K/V, not by reuse.
+so the kernel is bound by L2 bandwidth over the gathered K/V, not by reuse (ncu, H100, 16k, one warp with
+64-token TMA tiles in 2 stages: L2 throughput 80% of peak, SM 26%; tile length, stages and programs per SM
+move it by 1-2% at 64k, bench/tune_kernels.py).
+
+Reading each forced block once for several tokens (the first n_init and the n_local ending at the own
+block are the same for every token of a selection block) would cut the gathered bytes by up to 3/16 at
+the paper's settings. Two forms were measured on an H100 at 64k and both were slower than this kernel
+(16.7 ms): the forced blocks first for 2-4 tokens' rows at once, then each token's walk (22.8 ms at
+best), and the same with the tokens' walks batched as 3-D dots (23.8 ms at best). Both need 4 warps and
+keep a multi-token softmax state live, so fewer programs fit per SM and the L2 throughput dropped to about
+52% (ncu).
 
 The block loop is flat and branch-free so Triton can software-pipeline it (num_stages: the K/V tiles of
 the next blocks are copied asynchronously while the current one is computed, by TMA on Hopper: tma.py).
@@ -117,20 +127,21 @@ def _sel_fwd_kernel(
 def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
                   max_block_n: int = 64, tma: bool = False) -> dict:
     """Tile sizes, tokens per program, warps, pipeline depth and TMA copies for one shape (H100, G=16,
-    D=128, 8k-64k, bench/tune_kernels.py and tune_topn_sel.csv): with pointer loads 2 tokens per program,
-    3 stages, 4 warps; with TMA copies 1 token, 2 stages and 1 warp for up to 16 heads (64k: 16.5 ms
-    against 16.8 with 4 warps and 3 stages; 8k: 1.82 against 1.96 ms): more programs per SM keep more
-    copies in flight."""
+    D=128, 8k-64k, bench/tune_kernels.py, tune_topn_sel.csv and tune_sel_fwd.csv): with pointer loads 2
+    tokens per program, 3 stages, 4 warps; with TMA copies 1 token and 1 warp for up to 16 heads (64k: 16.5
+    ms against 16.8 with 4 warps and 3 stages; 8k: 1.82 against 1.96 ms), in 16-token tiles with 3 stages
+    (64k: 16.4-16.7 ms against 16.7-16.9 with 64-token tiles and 2 stages; 8k: 1.72-1.74 against 1.83-1.84
+    ms)."""
     wide = max(Dk, Dv) > 128
     one_warp = tma and not wide and G <= 16 and dtype != torch.float32
     return {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
-        "BLOCK_N": min(max(16, _np2(block_sel)), max_block_n),
+        "BLOCK_N": min(max(16, _np2(block_sel)), max_block_n, 16 if one_warp else max_block_n),
         "BLOCK_DK": max(16, _np2(Dk)),
         "BLOCK_DV": max(16, _np2(Dv)),
         "TMA": tma,
         "TOKENS": 1 if wide or tma else 2,
-        "STAGES": 2 if wide or one_warp else 3,
+        "STAGES": 2 if wide else 3,
         "num_warps": 8 if wide else 1 if one_warp else 4,
     }
 

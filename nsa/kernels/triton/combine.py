@@ -30,9 +30,14 @@ class Segments:
     def whole(x: torch.Tensor) -> Segments:
         return Segments(x, 0, x[:, :0])
 
+    @property
+    def tail_ptr(self) -> torch.Tensor:
+        """The tail as a kernel argument: an empty tail is never read or written, so any valid pointer."""
+        return self.tail if self.tail.numel() else self.main
+
     def args(self):
         """Kernel arguments: pointers, token ranges, strides of both segments."""
-        tail = self.tail if self.tail.numel() else self.main  # an empty tail is never read: any valid pointer
+        tail = self.tail_ptr
         return (self.main, tail, self.lo, self.hi, self.hi + self.tail.shape[1],
                 *self.main.stride(), *tail.stride())
 
@@ -152,8 +157,7 @@ def combine_backward(dout, gates, a: Segments, o_sel, o_win):
     ds = torch.empty(B, T, Hq, Dv, device=o_sel.device, dtype=o_sel.dtype)
     dw = torch.empty(B, T, Hq, Dv, device=o_win.device, dtype=o_win.dtype)
     m, t, lo, hi, hi2, *sa = a.args()
-    da_tail = da.tail if da.tail.numel() else da.main  # an empty tail is never written: any valid pointer
-    _launch(_combine_bwd, B * T * Hq, Dv, gates, m, t, o_sel, o_win, dout, dg, da.main, da_tail, ds, dw,
+    _launch(_combine_bwd, B * T * Hq, Dv, gates, m, t, o_sel, o_win, dout, dg, da.main, da.tail_ptr, ds, dw,
             B * T * Hq, T, Hq, Dv, lo, hi, hi2, *gates.stride(), *sa, *o_sel.stride(), *o_win.stride(),
             *dout.stride())
     return dg, da, ds, dw

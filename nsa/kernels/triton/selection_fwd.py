@@ -136,7 +136,7 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
     one_warp = tma and not wide and G <= 16 and dtype != torch.float32
     return {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
-        "BLOCK_N": min(max(16, _np2(block_sel)), max_block_n, 16 if one_warp else max_block_n),
+        "BLOCK_N": 16 if one_warp else min(max(16, _np2(block_sel)), max_block_n),
         "BLOCK_DK": max(16, _np2(Dk)),
         "BLOCK_DV": max(16, _np2(Dv)),
         "TMA": tma,

@@ -3,7 +3,8 @@
     PYTHONPATH=. python bench/tune_kernels.py --out DIR [--T 16384,65536] [--kernels topn,sel_fwd,sel_bwd]
 
 For the paper's heads (Hq=64, Hkv=4, D=128, bf16, paper blocks) and each T: the fused top-n kernel
-(nsa.kernels.triton.topn) over tokens per program x warps, the selected-attention forward
+(nsa.kernels.triton.topn) over tokens per program x blocks per chunk x stages x warps x the two forms of
+the tail sums (shifted from the group tile, or a dot of their own), the selected-attention forward
 (nsa.kernels.triton.selection_fwd) over key-tile length x pipeline stages x warps (TMA copies, one token
 per program, the launch table's choice against the pointer-load one), and the selection
 backward as it is; each against dense causal FA-2 forward in the same process. Medians of
@@ -75,8 +76,9 @@ def sweep(T, args, kernels):
     if "topn" in kernels:
         default = tile_config(args.D)
         grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)),
-                      [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw}
-                       for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8))]))
+                      [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw, "SHIFT_TAIL": sh}
+                       for bt, cpc, hs, nw, sh in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8),
+                                                                    (True, False))]))
     if "sel_fwd" in kernels:
         default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype, tma=tma.supported(k, v))
         grid = [{"TMA": True, "TOKENS": 1, "BLOCK_N": bn, "STAGES": st, "num_warps": nw}

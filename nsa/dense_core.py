@@ -13,7 +13,9 @@ torch.autograd.Function:
   (nsa.kernels.triton.combine.Segments);
 - the selection dq kernel adds its dq and the compressed branch's to the sliding branch's, in fp32 on the
   way out (one buffer, no autograd sum, no extra pass);
-- indices from the top-n kernel are unique and ascending already: no deduplication pass.
+- indices from the top-n kernel are unique and ascending already: no deduplication pass;
+- the sliding branch is launched first (`start_window`, before the compression): the GPU starts on a
+  large kernel while the host prepares the rest, instead of idling through the small steps' launches.
 
 The FA-2 / cuDNN calls keep their own autograd formulas: each runs under enable_grad on leaves made for
 it (a view of q, the expanded compressed K/V), and the backward asks autograd for those leaves' gradients,
@@ -96,6 +98,7 @@ class DenseCore(torch.autograd.Function):
         ta = t0 + n * d  # first tail token (T when there is none)
         prov_cmp = plan.cmp.impl[0]
 
+        o_win, win_in = run["window"]
         with torch.enable_grad():
             # Compressed branch: rows by view, then the tail (fewer than d tokens) in torch, fp32.
             cmp_in = (_leaf(fold_q_view(q, t0, n, d)), _leaf(expand_kv(k_cmp, n, d)), _leaf(expand_kv(v_cmp, n, d)))
@@ -107,9 +110,6 @@ class DenseCore(torch.autograd.Function):
             tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
             o_tail, lse_tail = _tail_attention(*tail_in, scale)
             lse[:, ta:] = lse_tail.detach()
-            # Sliding branch on its own leaves (the provider's autograd formula serves the backward).
-            win_in = (_leaf(q), _leaf(kw), _leaf(vw))
-            o_win = plan.win.fn(*win_in, layout, cfg, scale)
 
         if given is None:
             idx = plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)  # unique and ascending: no dedupe pass
@@ -146,24 +146,36 @@ class DenseCore(torch.autograd.Function):
         dv_cmp = dv_rows.new_zeros(ctx.k_cmp_shape[1])
         dk_cmp[:, :n] = dk_rows.unflatten(2, (d, Hkv)).sum(2)
         dv_cmp[:, :n] = dv_rows.unflatten(2, (d, Hkv)).sum(2)
-        if ta < q.shape[1]:
-            dq_t, dk_t, dv_t = torch.autograd.grad(o_tail, tail_in, da.tail, retain_graph=keep)
-            dq[:, ta:] += dq_t
-            dk_cmp[:, :n + 1] += dk_t
-            dv_cmp[:, :n + 1] += dv_t
         # The selection dq kernel adds its dq and the compressed rows' (a view when written row-major) in fp32.
         dq_rows = dq_rows.reshape(B, ta - t0, *dq.shape[2:])
         _, dk, dv = sel_backward(ds, q, k, v, o_sel, lse_sel, idx, ss, ctx.block_sel, ctx.scale, dq_into=dq,
                                  dq_more=(dq_rows, t0))
+        if ta < q.shape[1]:  # after the selection kernels: its small torch operations queue behind them
+            dq_t, dk_t, dv_t = torch.autograd.grad(o_tail, tail_in, da.tail.to(o_tail.dtype), retain_graph=keep)
+            dq[:, ta:] += dq_t
+            dk_cmp[:, :n + 1] += dk_t
+            dv_cmp[:, :n + 1] += dv_t
         if not keep:
             ctx.graphs = ctx.seg = None
         return dq, dk, dv, dk_cmp, dv_cmp, dkw, dvw, dg, None
 
 
-def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices=None):
-    """(out, indices) of the fused pipeline for dense input (see the module doc)."""
-    run_args = {"plan": plan, "layout": layout, "cfg": cfg, "scale": scale, "indices": indices}
+def start_window(plan, q, kw, vw, layout, cfg, scale):
+    """The sliding branch on its own leaves (the provider's autograd formula serves the backward): (o_win,
+    its leaves). It needs nothing else of the pipeline, so the pipeline launches it first, before the
+    compression and its own host work: the GPU starts on the largest first kernel as early as it can."""
+    with torch.enable_grad():
+        win_in = (_leaf(q), _leaf(kw), _leaf(vw))
+        return plan.win.fn(*win_in, layout, cfg, scale), win_in
+
+
+def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices=None, window=None):
+    """(out, indices) of the fused pipeline for dense input (see the module doc); `window` is what
+    start_window returned for these q, kw, vw (made here when None)."""
+    if window is None:
+        window = start_window(plan, q, kw, vw, layout, cfg, scale)
+    run_args = {"plan": plan, "layout": layout, "cfg": cfg, "scale": scale, "indices": indices, "window": window}
     return DenseCore.apply(q, k, v, k_cmp, v_cmp, kw, vw, gates, run_args)
 
 
-__all__ = ["DenseCore", "MIN_ROWS", "applies", "run"]
+__all__ = ["DenseCore", "MIN_ROWS", "applies", "run", "start_window"]

@@ -74,11 +74,13 @@ def run_fused(plan: Plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=No
               block_indices=None, need_indices=False, chunk=None):
     scale = cfg.softmax_scale(q.shape[-1])
     kc, vc, kw, vw = _branch_kv(k, v, kv_cmp, kv_win)
+    window = dense_core.start_window(plan, q, kw, vw, layout, cfg, scale) if plan.dense_core else None
     k_cmp, v_cmp = compress_kv(kc, vc, layout, cfg, compress_fn)
     given = dedupe_indices(block_indices).to(torch.int32) if block_indices is not None else None
     if plan.dense_core:
         telemetry.event("pipeline", "fused", "dense_core")
-        out, indices = dense_core.run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, given)
+        out, indices = dense_core.run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, given,
+                                      window)
         return out, (indices if need_indices else None)
     o_cmp, lse = plan.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
     indices = given if given is not None else plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)

@@ -181,6 +181,22 @@ def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed):
+    """Both forms of the tail sums (moved from the group tile, or a dot of their own) give the naive top-n,
+    over several chunks (the shift carries the last column of one chunk into the next) and passes."""
+    cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=16, n_sel=3, n_init=1, n_local=1, window=8)
+    assert topn.shifts_tail(cfg)  # R = 2, C = 1
+    cu = torch.tensor([0, 5, 290, 291, 620], dtype=torch.int32) if packed else None
+    got = {}
+    for shift in (True, False):
+        monkeypatch.setattr(topn, "tile_config", lambda D, dtype, s=shift: {
+            "BLOCK_T": 16, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 1, "num_warps": 4, "SHIFT_TAIL": s})
+        got[shift], want = _topn_case(gen, cfg, 1, 620, 4, 2, 16, cu)
+        assert torch.equal(got[shift], want), shift
+    assert topn.chunk_shape(cfg, 32)[0] == 16  # 16 selection blocks per chunk: 256 tokens, 3 chunks at 620
+
+
 def test_topn_kernel_rejects_unsupported_config():
     cfg = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=65, n_init=1, n_local=1)
     assert "n_sel=65" in topn.unsupported(cfg)

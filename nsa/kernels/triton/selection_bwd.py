@@ -340,8 +340,10 @@ def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale:
 
 def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, cfg=None,
                       n_programs=None, dq_into=None, dq_more=None):
-    """((dq, dk, dv), [(kernel, grid, args, kwargs), ...]): the outputs and the kernel launches that fill
-    them, in order (dq + delta, dk/dv, reduce). The reverse index and the work plan are built here.
+    """((dq, dk, dv), launches): the outputs and an iterator of the kernel launches that fill them, in order
+    (dq + delta, dk/dv, reduce), each (kernel, grid, args, kwargs). The reverse index and the work plan are
+    built when the iterator reaches the dK/dV launch: after the dq kernel has been launched, so their
+    small device operations are issued while it runs instead of delaying it (at 8k they are host-bound).
     cfg / n_programs: launch parameters for another device than q's (ahead-of-time compile checks)."""
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
@@ -362,33 +364,33 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # rowsum(dO * O), written by the dq kernel
     qk_scale = scale * LOG2E
-    launches = []
-
     dqc = cfg["dq"]
     kd, vd = tma.kv_descriptors(dqc.get("TMA", False), k, v, dqc["BLOCK_N"], dqc["BLOCK_DK"], dqc["BLOCK_DV"],
                                 "sel_dq")
-    launches.append((_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
+    dq_launch = (_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
         q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq, dq2,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale,
-    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, **dqc)))
+    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, **dqc))
 
-    plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"])
-    part = torch.empty(plan.n_partials_bound, cfg["ls_pad"], Dk + Dv, device=q.device, dtype=torch.float32)
-    launches.append((_sel_bwd_dkdv_kernel, (max(1, min(n_programs, plan.items.shape[0] * cfg["n_sub"])),), (
-        q, k, v, do, lse, delta, dk, dv, part, plan.items, plan.n_items, plan.queries,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-        part.stride(0), part.stride(1),
-        Hkv, G, Dk, Dv, qk_scale, scale,
-    ), dict(N_SUB=cfg["n_sub"], IEEE=cfg["ieee"], N_FIELDS=ITEM_FIELDS, **cfg["dkdv"])))
+    def launches():
+        yield dq_launch
+        plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"])
+        part = torch.empty(plan.n_partials_bound, cfg["ls_pad"], Dk + Dv, device=q.device, dtype=torch.float32)
+        yield (_sel_bwd_dkdv_kernel, (max(1, min(n_programs, plan.items.shape[0] * cfg["n_sub"])),), (
+            q, k, v, do, lse, delta, dk, dv, part, plan.items, plan.n_items, plan.queries,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+            part.stride(0), part.stride(1),
+            Hkv, G, Dk, Dv, qk_scale, scale,
+        ), dict(N_SUB=cfg["n_sub"], IEEE=cfg["ieee"], N_FIELDS=ITEM_FIELDS, **cfg["dkdv"]))
+        yield (_sel_bwd_reduce_kernel, (n_programs,), (
+            part, dk, dv, plan.reduce, plan.n_reduce,
+            part.stride(0), part.stride(1), *dk.stride(), *dv.stride(),
+            Hkv, Dk, Dv,
+        ), dict(LS_PAD=cfg["ls_pad"], N_FIELDS=REDUCE_FIELDS, **cfg["reduce"]))
 
-    launches.append((_sel_bwd_reduce_kernel, (n_programs,), (
-        part, dk, dv, plan.reduce, plan.n_reduce,
-        part.stride(0), part.stride(1), *dk.stride(), *dv.stride(),
-        Hkv, Dk, Dv,
-    ), dict(LS_PAD=cfg["ls_pad"], N_FIELDS=REDUCE_FIELDS, **cfg["reduce"])))
-    return (dq, dk, dv), launches
+    return (dq, dk, dv), launches()
 
 
 def plan_backward(indices, seq_start, block_sel: int, chunk: int):

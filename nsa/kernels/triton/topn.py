@@ -14,12 +14,15 @@ R compressed blocks that start in each selection block (R = l'/d), turns them in
 g's LSE (exp2 domain) and adds them to one fp32 tile, so the sum over heads is an elementwise add in
 registers (no reduction across threads) and the chunk's keys are loaded once for all G heads. Selection
 block j overlaps compressed blocks j*R - C ... j*R + R - 1 (C = l/d - 1): its group (the R blocks starting
-inside j) and its tail (the C blocks before them, which reach into j). The tails have their own, smaller
-dot: a second key tile holds, per selection block of the chunk, its C tail blocks, so the score of j is
-the sum of one row of the group tile plus one row of the tail tile, with no data moved between columns
-(a shift of the group tile's columns, by gathers, cost 40% of the kernel). Only the chunks that reach past
-some token's last visible block pay for the causal mask (applied once to the head sums); tokens outside
-the current pass get an LSE of +inf, so their probabilities are 0 without one.
+inside j) and its tail (the C blocks before them, which reach into j). When C <= R (the paper's blocks:
+R = 4, C = 1) the tail of j is the end of j - 1's group, already in the tile: after the head loop the
+tails' sums move one column right through an exact fp32 dot with a shift matrix, and the chunk's first
+column takes the previous chunk's last (SHIFT_TAIL). Otherwise the tails have their own, smaller dot: a
+second key tile holds, per selection block of the chunk, its C tail blocks, so each head pays C/R more
+logits and exponentials. H200, G=16, D=128, 64k: 8.28 ms with the shift, 9.06 with the tail dot, 12.1 with
+the shift done by tl.gather. Only the chunks that reach past some token's last visible block pay for the
+causal mask (applied once to the head sums); tokens outside the current pass get an LSE of +inf, so their
+probabilities are 0 without one.
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
 
@@ -75,6 +78,7 @@ def _topn_kernel(
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     KEEP: tl.constexpr, HEAD_STAGES: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    SHIFT_TAIL: tl.constexpr,
 ):
     # KEEP: slots of the kept list (n_sel of them live)
     DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
@@ -109,6 +113,11 @@ def _topn_kernel(
     ee = tl.arange(0, BLOCK_TAIL)
     jj_e = ee // C_PAD
     c_e = ee % C_PAD
+    u3 = tl.arange(0, R_PAD)[None, None, :]
+    jj2 = tl.arange(0, BLOCK_J)[None, :]
+    # SHIFT_TAIL: x @ shift_m moves column j - 1 of x to column j. Exact for finite x in any summation order:
+    # each output is one product by 1 plus products by 0.
+    shift_m = (tl.arange(0, BLOCK_J)[None, :] == tl.arange(0, BLOCK_J)[:, None] + 1).to(tl.float32)
 
     # The kept keys of each token, unsorted: n_sel live slots (filled with distinct negative sentinels) and
     # KEEP - n_sel dead ones (a huge value: never the minimum, never replaced, ignored at the end).
@@ -128,12 +137,13 @@ def _topn_kernel(
                 i_full = -1
             j_hi = tl.max(tl.where(act_tok, jt_tok, -1), axis=0)
             i_hi = tl.max(last, axis=0)
+            carry = tl.zeros([BLOCK_T], tl.float32)  # SHIFT_TAIL: the previous chunk's last tail sum
             for j0 in range(0, j_hi + 1, BLOCK_J):
                 i_loc = (j0 + jj_c) * R + u_c
                 kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
                 i_tail = (j0 + jj_e) * R - C + c_e
                 tail_ok = (c_e < C) & (i_tail >= 0)
-                if C > 0:
+                if C > 0 and not SHIFT_TAIL:
                     kt = _load_blocks(kc_base, cur, i_tail, i_hi, skn, tail_ok, d_ok, EVEN_D)
                 # The sums over heads, in head order: the same adds for every block (bitwise-equal ties).
                 p = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
@@ -155,7 +165,7 @@ def _topn_kernel(
                     else:
                         s = tl.dot(qg, tl.trans(kc))
                     p += tl.exp2(s * qk_scale - lse2p[:, None])
-                    if C > 0:
+                    if C > 0 and not SHIFT_TAIL:
                         if IEEE:
                             st = tl.dot(qg, tl.trans(kt), input_precision="ieee")
                         else:
@@ -164,8 +174,16 @@ def _topn_kernel(
                 if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some token's last block
                     p = tl.where((i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :], p, 0.0)
                 # The group of j (blocks starting inside j), then its tail.
-                score = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_J, R_PAD]), axis=2)
-                if C > 0:
+                p3 = tl.reshape(p, [BLOCK_T, BLOCK_J, R_PAD])
+                score = tl.sum(p3, axis=2)
+                if SHIFT_TAIL:
+                    # The tail of j is the last C blocks of j - 1's group: their sum moves one column right,
+                    # the chunk's first column takes the previous chunk's last.
+                    tails = tl.sum(tl.where(u3 >= R - C, p3, 0.0), axis=2)
+                    moved = tl.dot(tails, shift_m, input_precision="ieee")
+                    score += tl.where(jj2 == 0, carry[:, None], moved)
+                    carry = tl.sum(tl.where(jj2 == BLOCK_J - 1, tails, 0.0), axis=1)
+                elif C > 0:
                     # Tail blocks are below the group's: masked by the same causal rule (and padding).
                     pt = tl.where((i_tail[None, :] <= last[:, None]) & tail_ok[None, :], pt, 0.0)
                     score += tl.sum(tl.reshape(pt, [BLOCK_T, BLOCK_J, C_PAD]), axis=2)
@@ -212,6 +230,12 @@ def unsupported(cfg) -> str | None:
     return None
 
 
+def shifts_tail(cfg) -> bool:
+    """Whether the tails come from the group tile (0 < C <= R), not from a dot of their own."""
+    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
+    return 0 < c <= r
+
+
 def chunk_shape(cfg, cmp_per_chunk: int) -> tuple[int, int, int]:
     """(selection blocks per chunk, padded group width R_PAD, padded tail width C_PAD): about `cmp_per_chunk`
     columns in the wider of the two tiles, and at least 16 in each (tl.dot's smallest N)."""
@@ -223,16 +247,18 @@ def chunk_shape(cfg, cmp_per_chunk: int) -> tuple[int, int, int]:
 
 def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tokens per program (the dot's rows), compressed blocks per chunk (the group tile's columns), the head
-    loop's pipeline depth and warps. H100, G=16, D=128, bf16, 64k: 64 tokens x 128 blocks with 3 stages took
-    8.9 ms; 64 x 128 with 2 stages 9.9 ms, 64 x 256 9.7-25 ms, 64 x 64 12.7-20 ms, 128-token tiles 11.2-62 ms
-    (bench/results/h100-cu130-torch2.11/tune_topn.csv; bench/tune_kernels.py runs the same grid). Wide
-    heads keep the shared memory of the pipelined q tiles in bounds; fp32 (IEEE dots on CUDA cores) takes
-    smaller tiles."""
+    loop's pipeline depth and warps, and whether the tails are shifted from the group tile where the blocks
+    allow it. H100, G=16, D=128, bf16, 64k, tails by their own dot: 64 tokens x 128 blocks with 3 stages
+    took 8.9 ms; 64 x 128 with 2 stages 9.9 ms, 64 x 256 9.7-25 ms, 64 x 64 12.7-20 ms, 128-token tiles
+    11.2-62 ms (bench/results/h100-cu130-torch2.11/tune_topn.csv; bench/tune_kernels.py runs the same grid).
+    The shift's dot grows with the chunk: on an H200 at 64k, 64 x 128 with 3 stages took 8.28 ms shifted
+    against 9.06, but 64 x 256 with 8 warps 15.5 against 9.9. Wide heads keep the shared memory of the
+    pipelined q tiles in bounds; fp32 (IEEE dots on CUDA cores) takes smaller tiles."""
     if dtype == torch.float32:
-        return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4}
+        return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4, "SHIFT_TAIL": False}
     if D > 128:  # D=192 (padded to 256), 64k: 15.5 ms; 64 x 128 x 3 stages 16.3 ms; 64 x 64 24.5 ms
-        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 256, "HEAD_STAGES": 2, "num_warps": 8}
-    return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4}
+        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 256, "HEAD_STAGES": 2, "num_warps": 8, "SHIFT_TAIL": False}
+    return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4, "SHIFT_TAIL": True}
 
 
 def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
@@ -252,6 +278,8 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     meta = {**tile_config(Dk, q.dtype), **(config or {})}
     block_j, r_pad, c_pad = chunk_shape(cfg, meta.pop("CMP_PER_CHUNK", 64))
     warps = meta.pop("num_warps")
+    # The shift's dot needs 16 rows and columns.
+    shift = meta.pop("SHIFT_TAIL", False) and shifts_tail(cfg) and block_j >= 16 and meta["BLOCK_T"] >= 16
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])
     _topn_kernel[(n_tiles, B * Hkv)](
         q, k_cmp, lse, seq_start, cmp_slot0, idx,
@@ -259,7 +287,7 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
         R=r, C=c, C_PAD=c_pad, STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
         BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
-        EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32,
+        EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32, SHIFT_TAIL=shift,
         num_warps=warps, **meta,
     )
     return idx

@@ -15,7 +15,9 @@ torch.autograd.Function:
   way out (one buffer, no autograd sum, no extra pass);
 - indices from the top-n kernel are unique and ascending already: no deduplication pass;
 - the sliding branch is launched first (`start_window`, before the compression): the GPU starts on a
-  large kernel while the host prepares the rest, instead of idling through the small steps' launches.
+  large kernel while the host prepares the rest, instead of idling through the small steps' launches;
+  in the backward, the selection's work plan and the tail tokens' torch backward (many small
+  operations) are issued after the selection's dq kernel, for the same reason.
 
 The FA-2 / cuDNN calls keep their own autograd formulas: each runs under enable_grad on leaves made for
 it (a view of q, the expanded compressed K/V), and the backward asks autograd for those leaves' gradients,
@@ -163,7 +165,7 @@ class DenseCore(torch.autograd.Function):
 def start_window(plan, q, kw, vw, layout, cfg, scale):
     """The sliding branch on its own leaves (the provider's autograd formula serves the backward): (o_win,
     its leaves). It needs nothing else of the pipeline, so the pipeline launches it first, before the
-    compression and its own host work: the GPU starts on the largest first kernel as early as it can."""
+    compression and its own host work: the GPU starts on a large kernel as early as it can."""
     with torch.enable_grad():
         win_in = (_leaf(q), _leaf(kw), _leaf(vw))
         return plan.win.fn(*win_in, layout, cfg, scale), win_in

@@ -182,19 +182,20 @@ def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed):
+@pytest.mark.parametrize("block_sel,per_chunk,T", [(16, 32, 620), (24, 64, 900)], ids=["R2", "R3-padded"])
+def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed, block_sel, per_chunk, T):
     """Both forms of the tail sums (moved from the group tile, or a dot of their own) give the naive top-n,
-    over several chunks (the shift carries the last column of one chunk into the next) and passes."""
-    cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=16, n_sel=3, n_init=1, n_local=1, window=8)
-    assert topn.shifts_tail(cfg)  # R = 2, C = 1
-    cu = torch.tensor([0, 5, 290, 291, 620], dtype=torch.int32) if packed else None
-    got = {}
+    over several chunks (the shift carries the last column of one chunk into the next) and passes; R = 3
+    pads each group to 4 columns."""
+    cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=block_sel, n_sel=3, n_init=1, n_local=1, window=8)
+    assert topn.shifts_tail(cfg)  # C = 1 <= R
+    assert topn.chunk_shape(cfg, per_chunk)[0] == 16  # 16 selection blocks per chunk: 3 chunks at T
+    cu = torch.tensor([0, 5, T // 2, T // 2 + 1, T], dtype=torch.int32) if packed else None
     for shift in (True, False):
         monkeypatch.setattr(topn, "tile_config", lambda D, dtype, s=shift: {
-            "BLOCK_T": 16, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 1, "num_warps": 4, "SHIFT_TAIL": s})
-        got[shift], want = _topn_case(gen, cfg, 1, 620, 4, 2, 16, cu)
-        assert torch.equal(got[shift], want), shift
-    assert topn.chunk_shape(cfg, 32)[0] == 16  # 16 selection blocks per chunk: 256 tokens, 3 chunks at 620
+            "BLOCK_T": 16, "CMP_PER_CHUNK": per_chunk, "HEAD_STAGES": 1, "num_warps": 4, "SHIFT_TAIL": s})
+        got, want = _topn_case(gen, cfg, 1, T, 4, 2, 16, cu)
+        assert torch.equal(got, want), shift
 
 
 def test_topn_kernel_rejects_unsupported_config():
@@ -269,6 +270,25 @@ def test_combine_kernel_forward_backward(gen):
         combine.gate_combine(g, o[0], o[1][:, :4], o[2])
 
 
+def test_combine_kernel_segments_take_one_dtype(gen):
+    """o_cmp in two segments, a short fp32 tail beside fp16 rows (as the dense core makes them): the kernels
+    see one element type, match the torch combine, and the tail's gradient comes back in the rows' dtype."""
+    B, T, H, D = 1, 9, 2, 16
+    full = torch.randn(B, T, H, D, generator=gen)
+    full[:, 0] = 0  # token 0 is before the main segment: no block
+    seg = combine.Segments(full[:, 1:7].half(), 1, full[:, 7:].float())
+    assert seg.tail.dtype == torch.float16 and (seg.lo, seg.hi) == (1, 7)
+    s, w, dout = (torch.randn(B, T, H, D, generator=gen).half() for _ in range(3))
+    g = torch.rand(B, T, H, 3, generator=gen).half()
+    out = combine.combine_forward(g, seg, s, w)
+    assert rel_err(out.float(), combine_torch(g.float(), full.half().float(), s.float(), w.float())) <= 2e-3
+    dg, da, ds, dw = combine.combine_backward(dout, g, seg, s, w)
+    d_cmp = (g[..., 0:1].float() * dout.float()).half()
+    assert da.main.dtype == da.tail.dtype == torch.float16
+    assert torch.equal(da.main, d_cmp[:, 1:7]) and torch.equal(da.tail, d_cmp[:, 7:])
+    assert rel_err(dg[..., 0].float(), (dout.float() * full.half().float()).sum(-1)) <= 2e-3
+
+
 # --- the dense core: the fused pipeline as one autograd node (compressed branch folded by view) ------------
 
 
@@ -291,6 +311,22 @@ def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
     _auto_matches_torch_path(gen, q, k, v, g, cfg)
     assert telemetry.served("cmp") == {provider: 1} and telemetry.snapshot()["fallbacks"] == 0
     assert _core_events() == 1
+
+
+def test_dense_core_launches_the_window_first(fused, gen):
+    """The sliding branch is started before the compression (the GPU's first large kernel), and the core
+    uses that result: the same output as the torch path."""
+    import nsa.pipeline as pipeline
+
+    order = []
+    start, compress = pipeline.dense_core.start_window, pipeline.compress_kv
+    fused.setattr(pipeline.dense_core, "start_window", lambda *a: order.append("window") or start(*a))
+    fused.setattr(pipeline, "compress_kv", lambda *a: order.append("compress") or compress(*a))
+    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32)
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, CFG)
+    assert order == ["window", "compress"] and _core_events() == 1
+    assert rel_err(got, nsa_attention(q, k, v, g, CFG, backend="torch")) <= 2e-5
 
 
 def test_dense_core_retained_graph_and_toggle(fused, gen):

@@ -3,9 +3,9 @@
 Tiny shapes, fp32 kernels against the fp64 torch selected branch (autograd) and the fp64 oracle
 (nsa.reference): outputs and dq/dk/dv for G in {1, 2, 3, 4, 16}, Dk != Dv, -1 padding, empty rows, blocks
 longer than one kernel tile, packed input with empty and length-1 sequences starting anywhere, repeated
-blocks, blocks with several chunks (partials + reduce), bitwise equal repeated runs; and the reverse index
-and the work plan against Python-built ones. dq/dk/dv are poisoned (NaN) before the kernels run, so an
-element no kernel writes fails the test.
+blocks, blocks with several chunks (partials + reduce), bitwise equal repeated runs; the reverse index and the
+work plan against Python-built ones, and the plan built only after the dq kernel's launch. dq/dk/dv are
+poisoned (NaN) before the kernels run, so an element no kernel writes fails the test.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if "nsa.kernels.triton.selection_bwd" not in sys.modules:
 from nsa import NSAConfig, nsa_reference  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
 from nsa.kernels.triton import reverse_index, selection_bwd  # noqa: E402
-from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
+from nsa.kernels.triton.selection import sel_forward, selected_attention_triton  # noqa: E402
 
 from .test_triton_sel_interp import inputs, random_indices, selected_attention_torch  # noqa: E402
 
@@ -240,3 +240,20 @@ def test_no_atomics_left_in_the_selection_kernels():
 
     for mod in (selection, selection_bwd, reverse_index):
         assert "tl.atomic" not in inspect.getsource(mod), mod.__name__
+
+
+def test_work_plan_is_built_after_the_dq_launch(gen, monkeypatch):
+    """The dq kernel is yielded (and so launched) before the reverse index and the work plan are built: their
+    small device operations then queue behind it instead of delaying it."""
+    built = []
+    plan = selection_bwd.plan_backward
+    monkeypatch.setattr(selection_bwd, "plan_backward", lambda *a: built.append(1) or plan(*a))
+    B, T, Hkv, G, ls = 1, 20, 1, 2, 8
+    q, k, v = (x.detach() for x in inputs(gen, B, T, Hkv, G, 16, 16))
+    ss = torch.zeros(B, T, dtype=torch.int32)
+    idx = random_indices(gen, ss, B, T, Hkv, 2, ls).to(torch.int32)
+    o, lse = sel_forward(q, k, v, idx, ss, ls, 0.25)
+    _, launches = selection_bwd.backward_launches(torch.randn_like(o), q, k, v, o, lse, idx, ss, ls, 0.25)
+    assert next(launches)[0] is selection_bwd._sel_bwd_dq_kernel and not built
+    assert [x[0] for x in launches] == [selection_bwd._sel_bwd_dkdv_kernel, selection_bwd._sel_bwd_reduce_kernel]
+    assert built == [1]

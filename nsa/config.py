@@ -71,6 +71,11 @@ class NSAConfig:
             return 0
         return (seqlen - self.block_cmp) // self.stride_cmp + 1
 
+    def sel_overlap(self) -> tuple[int, int]:
+        """(r, c): selection block j gathers compressed blocks i = j*r - c + o for o in [0, r + c), i.e. every
+        block [i*d, i*d + l) that overlaps [j*l', (j+1)*l') (r = l'/d, c = l/d - 1)."""
+        return self.block_sel // self.stride_cmp, self.block_cmp // self.stride_cmp - 1
+
     def n_sel_blocks(self, seqlen: int) -> int:
         """Selection blocks (the last one may be partial)."""
         return -(-seqlen // self.block_sel)

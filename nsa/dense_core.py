@@ -171,11 +171,9 @@ def start_window(plan, q, kw, vw, layout, cfg, scale):
         return plan.win.fn(*win_in, layout, cfg, scale), win_in
 
 
-def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices=None, window=None):
+def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices, window):
     """(out, indices) of the fused pipeline for dense input (see the module doc); `window` is what
-    start_window returned for these q, kw, vw (made here when None)."""
-    if window is None:
-        window = start_window(plan, q, kw, vw, layout, cfg, scale)
+    start_window returned for these q, kw, vw."""
     run_args = {"plan": plan, "layout": layout, "cfg": cfg, "scale": scale, "indices": indices, "window": window}
     return DenseCore.apply(q, k, v, k_cmp, v_cmp, kw, vw, gates, run_args)
 

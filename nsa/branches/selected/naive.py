@@ -47,12 +47,6 @@ def cmp_probs(qc, k_cmp, lse, mask, scale):
     return torch.where(keep, torch.exp(logits - lse), torch.zeros_like(logits))
 
 
-def sel_overlap(cfg: NSAConfig) -> tuple[int, int]:
-    """(r, c): selection block j gathers compressed blocks i = j*r - c + o for o in [0, r + c), i.e. every
-    block [i*d, i*d + l) that overlaps [j*l', (j+1)*l') (r = l'/d, c = l/d - 1)."""
-    return cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
-
-
 def selection_scores(p, cmp_local, cmp_valid, n_blocks: int, cfg: NSAConfig):
     """Block scores [B, C, Hkv, n_blocks] from probabilities p [B, C, Hkv, G, N] (slot metadata [B, N]).
 
@@ -65,7 +59,7 @@ def selection_scores(p, cmp_local, cmp_valid, n_blocks: int, cfg: NSAConfig):
     scores = ps.new_zeros(B, C, H, n_blocks)
     if N == 0 or n_blocks == 0:
         return scores
-    r, c = sel_overlap(cfg)
+    r, c = cfg.sel_overlap()
     i_local = torch.div(cmp_local, cfg.stride_cmp, rounding_mode="floor")  # [B, N]
     for o in range(r + c):
         num = i_local + c - o  # = j * r for the block j this pass adds slot n to

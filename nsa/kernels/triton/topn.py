@@ -223,7 +223,7 @@ def unsupported(cfg) -> str | None:
     """Why the kernel cannot run this configuration (None when it can)."""
     if cfg.n_sel > MAX_KEEP:
         return f"n_sel={cfg.n_sel} > {MAX_KEEP}: the top-n kernel keeps at most {MAX_KEEP} keys per query"
-    c = cfg.block_cmp // cfg.stride_cmp - 1
+    c = cfg.sel_overlap()[1]
     if c > MAX_TAIL:
         return (f"block_cmp={cfg.block_cmp} is {c + 1} strides of {cfg.stride_cmp}: the top-n kernel handles at most "
                 f"{MAX_TAIL + 1} (block_cmp <= {MAX_TAIL + 1} * stride_cmp)")
@@ -232,15 +232,15 @@ def unsupported(cfg) -> str | None:
 
 def shifts_tail(cfg) -> bool:
     """Whether the tails come from the group tile (0 < C <= R), not from a dot of their own."""
-    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
+    r, c = cfg.sel_overlap()
     return 0 < c <= r
 
 
 def chunk_shape(cfg, cmp_per_chunk: int) -> tuple[int, int, int]:
     """(selection blocks per chunk, padded group width R_PAD, padded tail width C_PAD): about `cmp_per_chunk`
     columns in the wider of the two tiles, and at least 16 in each (tl.dot's smallest N)."""
-    r_pad = _np2(cfg.block_sel // cfg.stride_cmp)
-    c_pad = _np2(max(cfg.block_cmp // cfg.stride_cmp - 1, 1))
+    r, c = cfg.sel_overlap()
+    r_pad, c_pad = _np2(r), _np2(max(c, 1))
     block_j = max(cmp_per_chunk // max(r_pad, c_pad), 2)
     return block_j, max(r_pad, 16 // block_j), max(c_pad, 16 // block_j)
 
@@ -271,7 +271,7 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
         return idx
     if k_cmp.shape[1] == 0:  # T < l: no block anywhere; keep one zero slot so the kernel has a pointer
         k_cmp = k_cmp.new_zeros(B, 1, Hkv, Dk)
-    r, c = cfg.block_sel // cfg.stride_cmp, cfg.block_cmp // cfg.stride_cmp - 1
+    r, c = cfg.sel_overlap()
     fail = unsupported(cfg)
     if fail:
         raise ValueError(fail)

@@ -179,13 +179,34 @@ def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
         "win": (lambda: p.win.fn(q, k, v, layout, cfg, scale), (q, k, v)),
         "combine": (lambda: combine(gates, o_cmp, o_sel, o_win), (gates, o_cmp, o_sel, o_win)),
     }
+    providers = {}
+    if p.window_triton:  # the dense core's sliding branch: NSA's Triton kernels both ways (its backward timed alone)
+        from nsa.kernels.triton.window import window_backward, window_forward
+
+        o_w, lse_w = window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale)
+        d_w = torch.randn_like(o_w)
+        steps["win"] = (lambda: window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale),
+                        lambda: window_backward(d_w, q.detach(), k.detach(), v.detach(), o_w, lse_w, cfg.window, scale))
+        providers["win"] = "triton"
+    if p.dense_core:  # ... and the selection forward with the gate combine in its epilogue (forward only)
+        from nsa.kernels.triton.combine import Segments
+        from nsa.kernels.triton.selection import sel_forward
+
+        ss = layout.seq_start.to(torch.int32)
+        fused = (gates.detach(), Segments.whole(o_cmp.detach()), o_win.detach())
+        steps["sel+combine"] = (lambda: sel_forward(q.detach(), k.detach(), v.detach(), idx, ss, cfg.block_sel, scale,
+                                                    combine=fused), None)
+        providers["sel+combine"] = "triton"
     models = step_models(cfg, T, B, Hq, Hkv, Dk, Dv, idx)
+    models["sel+combine"] = tuple(a + b for a, b in zip(models["sel"], models["combine"]))
     rows = []
     for name, (fn, wrt) in steps.items():
         with torch.no_grad():
             f = time_fn(fn, iters, warmup, device)["median_ms"]
         bwd = None
-        if wrt is not None:
+        if callable(wrt):  # a backward of its own
+            bwd = time_fn(wrt, iters, warmup, device)["median_ms"]
+        elif wrt is not None:
             out = fn()
             out = out[0] if isinstance(out, tuple) else out
             go = torch.randn_like(out)
@@ -195,7 +216,7 @@ def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
                           warmup, device)["median_ms"]
             del out
         flops, nbytes = models[name]
-        prov = getattr(p, name).provider if name in p.steps else "torch"
+        prov = providers.get(name) or (getattr(p, name).provider if name in p.steps else "torch")
         rows.append({"T": T, "shape": shape_name, "step": name, "fwd_ms": round(f, 4),
                      "bwd_ms": None if bwd is None else round(bwd, 4), "gflop_fwd": round(flops / 1e9, 2),
                      "gbytes_fwd": round(nbytes / 1e9, 3), "fwd_tflops": round(flops / f / 1e9, 1),

@@ -4,8 +4,9 @@
 
 Every shape the GPU tests use at its edges: T in {1, l-1, l, 65, 1000, 4097}, G in {1, 2, 4, 8, 16, 32},
 (Dk, Dv) in {(64,64), (128,128), (192,128), (256,256)}, packed input with empty and length-1 sequences,
-batches, bf16 and fp16, and the top-n and selection kernels alone on fp32. Small head counts keep it quick
-under the sanitizer. Exit status 1 when an output or gradient is not finite or the fused path did not run.
+batches, bf16 and fp16, the top-n and selection kernels alone on fp32, and the sliding-window kernels
+alone. Small head counts keep it quick under the sanitizer. Exit status 1 when an output or gradient is
+not finite or the fused path did not run.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def main() -> int:
         ok = bool((idx >= -1).all()) and bool(torch.isfinite(o).all())
         bad += not ok
         print(f"kernels fp32 T={T} G={G} D={D}: {'ok' if ok else 'BAD'}", flush=True)
+    # The sliding-window kernels alone (Hopper): windows of 1, of a tile plus 2 (a query tile of its own in the
+    # dK/dV walk), wider than T; T below one tile and ragged.
+    from nsa.kernels.triton.window import supported, window_backward, window_forward
+
+    for T, w, G, D in ((1, 512, 16, 64), (97, 1, 3, 128), (4097, 66, 4, 128), (777, 1000, 2, 256)):
+        q = torch.randn(1, T, 2 * G, D, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, T, 2, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        if not supported(q, k, v)[0]:
+            print(f"window kernels T={T}: not run here ({supported(q, k, v)[1]})", flush=True)
+            continue
+        o, lse = window_forward(q, k, v, w, D ** -0.5)
+        grads = window_backward(torch.randn_like(o), q, k, v, o, lse, w, D ** -0.5)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
+        bad += not ok
+        print(f"window kernels T={T} w={w} G={G} D={D}: {'ok' if ok else 'BAD'}", flush=True)
     print(f"nsa edge sweep: {bad} bad case(s)")
     return 1 if bad else 0
 

@@ -1,16 +1,18 @@
 """Launch-configuration sweep of NSA's Triton kernels on one GPU: the data behind their launch tables.
 
-    PYTHONPATH=. python bench/tune_kernels.py --out DIR [--T 16384,65536] [--kernels topn,sel_fwd,sel_bwd]
+    PYTHONPATH=. python bench/tune_kernels.py --out DIR [--T 16384,65536] [--kernels topn,sel_fwd,sel_bwd,window]
 
 For the paper's heads (Hq=64, Hkv=4, D=128, bf16, paper blocks) and each T: the fused top-n kernel
 (nsa.kernels.triton.topn) over tokens per program x blocks per chunk x stages x warps x the two forms of
-the tail sums (shifted from the group tile, or a dot of their own), the selected-attention forward
-(nsa.kernels.triton.selection_fwd) over key-tile length x pipeline stages x warps (TMA copies, one token
-per program, the launch table's choice against the pointer-load one), and the selection
-backward as it is; each against dense causal FA-2 forward in the same process. Medians of
-triton.testing.do_bench with min/max; CSV + JSON in --out; the fastest configuration per kernel is
-printed last. Every configuration's output is compared with the default configuration's (indices equal,
-outputs within 1e-2) so a fast but wrong configuration cannot win.
+the tail sums (shifted from the group tile, or a dot of their own); the selected-attention forward with
+the gate combine in its epilogue, as the dense core runs it (nsa.kernels.triton.selection_fwd), over
+key-tile length x pipeline stages x warps (TMA copies, one token per program, the launch table's choice
+against the pointer-load one); the sliding-window forward (nsa.kernels.triton.window) over query tile x
+key tile x warps x stages beside FA-2's window forward (`fa2_window` rows); and the selection backward
+as it is. Each against dense causal FA-2 forward in the same process. Medians of triton.testing.do_bench
+with min/max; CSV + JSON in --out; the fastest configuration per kernel is printed last. Every
+configuration's output is compared with the default configuration's (indices equal, outputs within
+1e-2) so a fast but wrong configuration cannot win.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def sweep(T, args, kernels):
     from nsa import plan as planning
     from nsa.compress import compress_kv
     from nsa.kernels.triton import tma
+    from nsa.kernels.triton.combine import Segments
     from nsa.kernels.triton.selection import sel_backward
     from nsa.kernels.triton.selection_fwd import launch_config, sel_forward
     from nsa.kernels.triton.topn import tile_config, topn_triton
+    from nsa.kernels.triton.window import launch_config as window_config
+    from nsa.kernels.triton.window import window_forward
     from nsa.layout import dense_layout
 
     dev, cfg = torch.device("cuda"), NSAConfig()
@@ -57,7 +62,7 @@ def sweep(T, args, kernels):
     layout = dense_layout(1, T, cfg, dev)
     scale = cfg.softmax_scale(args.D)
     kc, vc = compress_kv(k, v, layout, cfg)
-    _, lse = planning.make_plan("auto", q, k, v, cfg).cmp.fn(q, kc, vc, layout, cfg, scale)
+    o_cmp, lse = planning.make_plan("auto", q, k, v, cfg).cmp.fn(q, kc, vc, layout, cfg, scale)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         dense = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True), args.rep)[0]
@@ -67,12 +72,34 @@ def sweep(T, args, kernels):
     def topn(conf=None):
         return topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale, config=conf)
 
+    # The selection forward as the dense core runs it: the gate combine in its epilogue.
+    gates = torch.rand(1, T, args.Hq, 3, device=dev, dtype=torch.bfloat16, generator=g)
+    combine = (gates, Segments.whole(o_cmp), torch.randn_like(o_cmp))
+
     def sel(conf=None):
-        return sel_forward(q, k, v, base_idx, ss, cfg.block_sel, scale, config=conf)
+        return sel_forward(q, k, v, base_idx, ss, cfg.block_sel, scale, config=conf, combine=combine)[1:]
+
+    def window(conf=None):
+        return window_forward(q, k, v, cfg.window, scale, config=conf)
 
     base_idx = topn()
     o_ref, lse_ref = sel()
     grids = []
+    if "window" in kernels:
+        fa2 = planning.PROVIDERS["torch_flash"]
+        win_ref, _ = fa2.attn(q, k, v, causal=False, left=cfg.window - 1, scale=scale, varlen=None, need_lse=False)
+        med, lo, hi = bench(lambda: fa2.attn(q, k, v, causal=False, left=cfg.window - 1, scale=scale, varlen=None,
+                                             need_lse=False), args.rep)
+        rows_fa2 = [{"kernel": "fa2_window", "T": T, "config": {}, "default": False, "median_ms": med, "min_ms": lo,
+                     "max_ms": hi, "dense_fa2_fwd_ms": dense, "status": "ok"}]
+        print(f"fa2_window T={T:6} {med} ms", flush=True)
+        grids.append(("window", window_config(args.D), window,
+                      lambda out: bool(((out[0].float() - win_ref.float()).abs().max() < 1e-2).item()),
+                      [{"BM": bm, "BN": bn, "STAGES": st, "num_warps": nw}
+                       for bm, bn, st, nw in itertools.product((64, 128), (32, 64, 128), (2, 3, 4), (4, 8))
+                       if bm % bn == 0]))
+    else:
+        rows_fa2 = []
     if "topn" in kernels:
         default = tile_config(args.D)
         grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)),
@@ -80,13 +107,13 @@ def sweep(T, args, kernels):
                        for bt, cpc, hs, nw, sh in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8),
                                                                     (True, False))]))
     if "sel_fwd" in kernels:
-        default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype, tma=tma.supported(k, v))
+        default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype, tma=tma.supported(k, v), combine=True)
         grid = [{"TMA": True, "TOKENS": 1, "BLOCK_N": bn, "STAGES": st, "num_warps": nw}
                 for bn, st, nw in itertools.product((16, 32, 64), (2, 3, 4), (1, 2))]
         grid.append({"TMA": False, "TOKENS": 2, "BLOCK_N": 64, "STAGES": 3, "num_warps": 4})
         grids.append(("sel_fwd", default, sel, lambda out: bool(((out[0].float() - o_ref.float()).abs().max()
                                                                  < 1e-2).item()), grid))
-    rows = []
+    rows = rows_fa2
     for name, default, fn, check, confs in grids:
         for conf in confs:
             try:

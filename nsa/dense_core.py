@@ -8,9 +8,10 @@ torch.autograd.Function:
 
 - compressed branch folded by VIEW (nsa.branches.compressed.fold, "Folding by view"): the FA-2 / cuDNN
   call reads q in place, writes its rows in token order, and gets its output gradient in the same
-  layout; the few tail tokens after the last whole row are computed in torch (fp32);
+  layout; the few tail tokens after the last whole row see every block they can: one unmasked call of
+  the sliding branch's FA-2 provider;
 - gate combine reads o_cmp as two token segments and writes their gradients in place
-  (nsa.kernels.triton.combine.Segments);
+  (nsa.kernels.triton.combine.Segments); in the forward it runs in the selection kernel's epilogue;
 - the selection dq kernel adds its dq and the compressed branch's to the sliding branch's, in fp32 on the
   way out (one buffer, no autograd sum, no extra pass);
 - indices from the top-n kernel are unique and ascending already: no deduplication pass;
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .branches.attend import attend, compute_dtype
+from . import telemetry
 from .branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_foldable, view_rows
 from .kernels.fa2 import guards
 
@@ -64,16 +65,13 @@ def applies(plan_steps, ctx, toggles, q, cfg, given_indices: bool) -> tuple[bool
     return True, ""
 
 
-def _tail_attention(q, k_cmp, v_cmp, scale):
+def _tail_attention(prov, q, k_cmp, v_cmp, scale):
     """The tail tokens (fewer than d after the last whole row) all see every block of k_cmp [B, n+1, Hkv, D]:
-    unmasked attention in the compute dtype. (o [B, C, Hq, Dv], lse [B, C, Hq] fp32)."""
-    B, C, Hq, D = q.shape
-    Hkv, N = k_cmp.shape[2], k_cmp.shape[1]
-    ct = compute_dtype(q.dtype)
-    every = torch.ones(B, C, N, dtype=torch.bool, device=q.device)
-    o, lse = attend(q.to(ct).view(B, C, Hkv, Hq // Hkv, D), k_cmp.to(ct), v_cmp.to(ct), every, scale,
-                    return_lse=True)
-    return o.reshape(B, C, Hq, -1), lse.reshape(B, C, Hq).float()
+    one call of the sliding branch's FA-2 provider with no mask (one kernel, and its backward one more,
+    where attention in torch took about 25 small operations each way). (o [B, C, Hq, Dv], lse [B, C, Hq])."""
+    C = q.shape[1]
+    o, lse = prov.attn(q, k_cmp, v_cmp, causal=False, left=-1, scale=scale, varlen=None, need_lse=True)
+    return o, lse[..., :C].transpose(1, 2)
 
 
 def _keep_graph() -> bool:
@@ -89,7 +87,7 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 class DenseCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_cmp, v_cmp, kw, vw, gates, run):
-        from .kernels.triton.combine import Segments, combine_forward
+        from .kernels.triton.combine import Segments
         from .kernels.triton.selection import sel_forward
 
         plan, layout, cfg, scale, given = run["plan"], run["layout"], run["cfg"], run["scale"], run["indices"]
@@ -100,33 +98,37 @@ class DenseCore(torch.autograd.Function):
         ta = t0 + n * d  # first tail token (T when there is none)
         prov_cmp = plan.cmp.impl[0]
 
-        o_win, win_in = run["window"]
+        window = run["window"]
         with torch.enable_grad():
-            # Compressed branch: rows by view, then the tail (fewer than d tokens) in torch, fp32.
+            # Compressed branch: rows by view, then the tail (fewer than d tokens) on the window's FA-2 provider.
             cmp_in = (_leaf(fold_q_view(q, t0, n, d)), _leaf(expand_kv(k_cmp, n, d)), _leaf(expand_kv(v_cmp, n, d)))
             o_rows, lse_rows = prov_cmp.attn(*cmp_in, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
             o_main = unfold_view_o(o_rows, Hq)
             lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
             lse[:, :t0] = float("-inf")  # tokens before the first row see no block
             lse[:, t0:ta] = unfold_view_lse(lse_rows.detach(), Hq, d)
-            tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
-            o_tail, lse_tail = _tail_attention(*tail_in, scale)
-            lse[:, ta:] = lse_tail.detach()
+            if ta < T:
+                tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
+                o_tail, lse_tail = _tail_attention(plan.win.impl[0], *tail_in, scale)
+                lse[:, ta:] = lse_tail.detach()
+            else:
+                tail_in, o_tail = None, o_main.new_zeros(B, 0, Hq, o_main.shape[-1])
 
         if given is None:
             idx = plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)  # unique and ascending: no dedupe pass
         else:
             idx = given
         ss = layout.seq_start.to(torch.int32)
-        o_sel, lse_sel = sel_forward(q, k, v, idx, ss, cfg.block_sel, scale)
         seg = Segments(o_main.detach(), t0, o_tail.detach())
-        out = combine_forward(gates, seg, o_sel, o_win.detach())
+        # The gate combine runs in the selection kernel's epilogue.
+        out, o_sel, lse_sel = sel_forward(q, k, v, idx, ss, cfg.block_sel, scale, combine=(gates, seg, window.o))
 
-        ctx.graphs = ((o_main, cmp_in), (o_tail, tail_in), (o_win, win_in))
+        ctx.graphs = ((o_main, cmp_in), (o_tail, tail_in), window)
         ctx.seg, ctx.shape = seg, (t0, n, ta, d, Hkv)
-        ctx.save_for_backward(q, k, v, gates, o_sel, lse_sel, o_win.detach(), idx, ss)
+        ctx.save_for_backward(q, k, v, gates, o_sel, lse_sel, window.o, idx, ss)
         ctx.block_sel, ctx.scale, ctx.k_cmp_shape = cfg.block_sel, scale, (k_cmp.shape, v_cmp.shape)
         ctx.mark_non_differentiable(idx)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for idx (a kernel and its host time)
         return out, idx
 
     @staticmethod
@@ -136,13 +138,14 @@ class DenseCore(torch.autograd.Function):
         from .kernels.triton.selection import sel_backward
 
         q, k, v, gates, o_sel, lse_sel, o_win, idx, ss = ctx.saved_tensors
-        (o_main, cmp_in), (o_tail, tail_in), (o_win_g, win_in) = ctx.graphs
+        (o_main, cmp_in), (o_tail, tail_in), window = ctx.graphs
         t0, n, ta, d, Hkv = ctx.shape
         B = q.shape[0]
         # The inner graphs live as long as this node: kept when the caller keeps the graph (retain_graph).
         keep = _keep_graph()
-        dg, da, ds, dw = combine_backward(dout.contiguous(), gates, ctx.seg, o_sel, o_win)
-        dq, dkw, dvw = torch.autograd.grad(o_win_g, win_in, dw, retain_graph=keep)
+        dout = torch.zeros_like(o_win) if dout is None else dout.contiguous()
+        dg, da, ds, dw = combine_backward(dout, gates, ctx.seg, o_sel, o_win)
+        dq, dkw, dvw = window.grad(dw, keep)
         dq_rows, dk_rows, dv_rows = torch.autograd.grad(o_main, cmp_in, da.main, retain_graph=keep)
         dk_cmp = dk_rows.new_zeros(ctx.k_cmp_shape[0])
         dv_cmp = dv_rows.new_zeros(ctx.k_cmp_shape[1])
@@ -162,13 +165,44 @@ class DenseCore(torch.autograd.Function):
         return dq, dk, dv, dk_cmp, dv_cmp, dkw, dvw, dg, None
 
 
+class GraphWindow:
+    """The sliding branch on its FA-2 provider, run on its own leaves: the provider's autograd formula
+    serves the backward."""
+
+    def __init__(self, plan, q, kw, vw, layout, cfg, scale):
+        with torch.enable_grad():
+            self.leaves = (_leaf(q), _leaf(kw), _leaf(vw))
+            self.o_graph = plan.win.fn(*self.leaves, layout, cfg, scale)
+        self.o = self.o_graph.detach()
+
+    def grad(self, dw, keep: bool):
+        return torch.autograd.grad(self.o_graph, self.leaves, dw, retain_graph=keep)
+
+
+class TritonWindow:
+    """The sliding branch on NSA's Triton kernels (nsa.kernels.triton.window: faster than FA-2's on Hopper),
+    forward now and backward from the saved o and LSE."""
+
+    def __init__(self, q, kw, vw, cfg, scale):
+        from .kernels.triton.window import window_forward
+
+        telemetry.event("win", "triton", "window_forward")
+        self.o, self.lse = window_forward(q, kw, vw, cfg.window, scale)
+        self.inputs, self.window, self.scale = (q, kw, vw), cfg.window, scale
+
+    def grad(self, dw, keep: bool):
+        from .kernels.triton.window import window_backward
+
+        return window_backward(dw, *self.inputs, self.o, self.lse, self.window, self.scale)
+
+
 def start_window(plan, q, kw, vw, layout, cfg, scale):
-    """The sliding branch on its own leaves (the provider's autograd formula serves the backward): (o_win,
-    its leaves). It needs nothing else of the pipeline, so the pipeline launches it first, before the
-    compression and its own host work: the GPU starts on a large kernel as early as it can."""
-    with torch.enable_grad():
-        win_in = (_leaf(q), _leaf(kw), _leaf(vw))
-        return plan.win.fn(*win_in, layout, cfg, scale), win_in
+    """The sliding branch (a GraphWindow or, where planning chose it, a TritonWindow: `.o`, `.grad(dw, keep)`).
+    It needs nothing else of the pipeline, so the pipeline launches it first, before the compression and its
+    own host work: the GPU starts on a large kernel as early as it can."""
+    if plan.window_triton:
+        return TritonWindow(q, kw, vw, cfg, scale)
+    return GraphWindow(plan, q, kw, vw, layout, cfg, scale)
 
 
 def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices, window):
@@ -178,4 +212,4 @@ def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices,
     return DenseCore.apply(q, k, v, k_cmp, v_cmp, kw, vw, gates, run_args)
 
 
-__all__ = ["DenseCore", "MIN_ROWS", "applies", "run", "start_window"]
+__all__ = ["DenseCore", "GraphWindow", "MIN_ROWS", "TritonWindow", "applies", "run", "start_window"]

@@ -8,6 +8,7 @@ an upper bound on their number that depends on T alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,15 @@ class SeqLayout:
 
 
 def dense_layout(B: int, T: int, cfg: NSAConfig, device) -> SeqLayout:
+    """The layout of B sequences of T tokens. Layouts are read, never written, so the last few are reused
+    (about 45 us of host time per call, before the GPU's first kernel); not inside torch.inference_mode,
+    whose tensors could not serve a later call that records autograd."""
+    if torch.is_inference_mode_enabled():
+        return _dense_layout(B, T, cfg, torch.device(device))
+    return _dense_layout_cached(B, T, cfg, torch.device(device))
+
+
+def _dense_layout(B: int, T: int, cfg: NSAConfig, device: torch.device) -> SeqLayout:
     n = cfg.n_cmp_blocks(T)
     start = (torch.arange(n, device=device) * cfg.stride_cmp).expand(B, n)
     return SeqLayout(
@@ -51,6 +61,9 @@ def dense_layout(B: int, T: int, cfg: NSAConfig, device) -> SeqLayout:
         n_sel_blocks=cfg.n_sel_blocks(T),
         cmp_slot0=torch.zeros(1, 1, dtype=torch.long, device=device).expand(B, T),
     )
+
+
+_dense_layout_cached = functools.lru_cache(maxsize=8)(_dense_layout)
 
 
 def packed_layout(cu_seqlens: torch.Tensor, T: int, cfg: NSAConfig) -> SeqLayout:

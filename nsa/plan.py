@@ -75,6 +75,7 @@ class Plan:
     executor: str  # "fused" | "chunked" | "reference"
     steps: dict[str, Step] = field(default_factory=dict)
     dense_core: bool = False  # fused executor: the steps run as one autograd node (nsa.dense_core)
+    window_triton: bool = False  # dense core: the sliding branch on the Triton kernels (forward and backward)
 
     def __getattr__(self, name):
         steps = self.__dict__.get("steps", {})
@@ -84,7 +85,7 @@ class Plan:
 
     def describe(self) -> dict:
         """{"executor": ..., "cmp": "torch_flash", ...}: what served each step (reports, benches)."""
-        return {"executor": self.executor, "dense_core": self.dense_core,
+        return {"executor": self.executor, "dense_core": self.dense_core, "window_triton": self.window_triton,
                 **{k: s.provider for k, s in self.steps.items()}}
 
 
@@ -164,11 +165,65 @@ def _record(step: str, s: Step) -> None:
         telemetry.record(step, s.provider, s.reason)
 
 
+# Plans of dense CUDA calls by everything their decisions read (CACHE_SIZE at most). Planning costs about
+# 0.16 ms of host time per call (H200 host, Python 3.12), and the GPU waits for it: the sliding branch's
+# kernel cannot start before the plan exists, so at T=8k it is a twentieth of the forward.
+CACHE_SIZE = 64
+_cache: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget cached plans (after changing a provider object in place; toggles need no clearing)."""
+    _cache.clear()
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16 == 0, t.requires_grad)
+
+
+def _cache_key(backend, q, k, v, cfg, kv_cmp, kv_win, given_indices, sel_backend, tg):
+    """The key of a call whose plan may be cached, or None: dense CUDA input (packed input's plan reads the
+    offsets' values). It holds what planning reads: the toggles, shapes, strides, 16-byte alignment,
+    dtypes, the device, whether gradients are needed, and the provider objects (CPU tests swap and
+    modify them, so CPU calls are never cached)."""
+    if not q.is_cuda:
+        return None
+    from .kernels.triton import tma
+
+    pairs = tuple(_tensor_key(t) for pair in (kv_cmp, kv_win) for t in (pair or (None, None)))
+    return (backend, sel_backend, given_indices, tg, cfg, q.device, torch.is_grad_enabled(), _tensor_key(q),
+            _tensor_key(k), _tensor_key(v), pairs, tma.ENABLED, tma.FORCE, id(PROVIDERS), id(CUDNN), id(TRITON))
+
+
 def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlens=None, host_cu=None,
               given_indices: bool = False, sel_backend: str | None = None) -> Plan:
-    """Decide every step of one call, record the decisions in telemetry, return the Plan."""
+    """Decide every step of one call, record the decisions in telemetry, return the Plan (cached for dense
+    CUDA input: the same decisions, recorded again for this call)."""
     if backend not in BACKENDS:
         raise NSAInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("auto", "flash_attn", "torch_flash", "sdpa") and cu_seqlens is None:
+        tg = _toggles.read()
+        key = _cache_key(backend, q, k, v, cfg, kv_cmp, kv_win, given_indices, sel_backend, tg)
+        if key is not None:
+            cached = _cache.get(key)
+            if cached is None:
+                cached = _make_plan(backend, q, k, v, cfg, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=None,
+                                    host_cu=None, given_indices=given_indices, sel_backend=sel_backend, tg=tg)
+                if len(_cache) >= CACHE_SIZE:
+                    _cache.clear()
+                _cache[key] = cached
+            else:
+                for name, st in cached.steps.items():
+                    _record(name, st)
+            return cached
+    return _make_plan(backend, q, k, v, cfg, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=cu_seqlens, host_cu=host_cu,
+                      given_indices=given_indices, sel_backend=sel_backend)
+
+
+def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlens=None, host_cu=None,
+               given_indices: bool = False, sel_backend: str | None = None, tg=None) -> Plan:
     if backend in ("torch", "reference"):
         steps = {s: Step(backend, "forced") for s in STEPS[:4]}
         if given_indices:
@@ -177,7 +232,7 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
             _record(name, s)
         return Plan("chunked" if backend == "torch" else "reference", steps)
 
-    tg = _toggles.read()
+    tg = tg or _toggles.read()
     sel_backend = sel_backend or tg.sel_backend
     if sel_backend not in SEL_BACKENDS:
         raise NSAInputError(f"sel_backend must be one of {SEL_BACKENDS}, got {sel_backend!r}")
@@ -233,11 +288,24 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
     core = fused and dense_core.applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
+    win_triton = core and _window_triton(steps["win"], tg, q, *(kv_win or (k, v)))
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
-    return Plan("fused" if fused else "chunked", steps, core)  # T == 0 never runs either (nsa.pipeline.run)
+    # T == 0 never runs either executor (nsa.pipeline.run)
+    return Plan("fused" if fused else "chunked", steps, core, win_triton)
+
+
+def _window_triton(win: Step, tg, q, kw, vw) -> bool:
+    """Whether the dense core runs the sliding branch on NSA's Triton kernels: on by default where they run
+    (Hopper TMA copies, power-of-two head dims); elsewhere its FA-2 provider serves both directions, as it
+    would without them (not a fallback: telemetry counts the kernels' runs as a "window_forward" event)."""
+    if not tg.triton_window:
+        return False
+    from .kernels.triton.window import supported
+
+    return supported(q, kw, vw)[0]
 
 
 # --- the Triton steps, bound lazily so that planning never imports triton ----------------------------------

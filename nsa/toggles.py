@@ -61,6 +61,7 @@ class Toggles:
     use_fa2_cmp: bool = True  # NSA_USE_FA2_CMP
     use_cudnn: bool = True  # NSA_USE_CUDNN: 0 keeps the compressed branch off cuDNN attention (torch_cudnn)
     dense_core: bool = True  # NSA_DENSE_CORE: 0 runs the fused dense pipeline as separate autograd ops
+    triton_window: bool = True  # NSA_TRITON_WINDOW: 0 keeps the dense core's sliding branch on FA-2
     min_len_win: int | None = None  # NSA_FA2_MIN_LEN_WIN (None: nsa/fa2_thresholds.json)
     min_len_cmp: int | None = None  # NSA_FA2_MIN_LEN_CMP
     force: bool = False  # NSA_FA2_FORCE: override the SM policy (Ada, sm8x backward head-dim cap)
@@ -95,6 +96,7 @@ def read() -> Toggles:
         use_fa2_cmp=env_bool("NSA_USE_FA2_CMP", True),
         use_cudnn=env_bool("NSA_USE_CUDNN", True),
         dense_core=env_bool("NSA_DENSE_CORE", True),
+        triton_window=env_bool("NSA_TRITON_WINDOW", True),
         min_len_win=env_int("NSA_FA2_MIN_LEN_WIN", None),
         min_len_cmp=env_int("NSA_FA2_MIN_LEN_CMP", None),
         force=env_bool("NSA_FA2_FORCE", False),

@@ -289,6 +289,36 @@ def test_combine_kernel_segments_take_one_dtype(gen):
     assert rel_err(dg[..., 0].float(), (dout.float() * full.half().float()).sum(-1)) <= 2e-3
 
 
+def test_selection_kernel_combines_in_its_epilogue(gen):
+    """sel_forward(combine=...) gives the combine kernel's output bitwise (o_cmp in two segments with
+    tokens before, between and after them, strided gates, G = 3 over a 16-row tile), and the same o and
+    LSE as the plain forward."""
+    from nsa.kernels.triton.selection import sel_forward
+
+    B, T, Hkv, G, D, n, ls = 2, 21, 2, 3, 16, 3, 4
+    H = Hkv * G
+    q = torch.randn(B, T, H, D, generator=gen)
+    k, v = (torch.randn(B, T, Hkv, D, generator=gen) for _ in range(2))
+    idx = torch.randint(-1, T // ls, (B, T, Hkv, n), generator=gen, dtype=torch.int32)
+    ss = torch.zeros(B, T, dtype=torch.int32)
+    seg = combine.Segments(torch.randn(B, 12, H, D, generator=gen), 3, torch.randn(B, 4, H, D, generator=gen))
+    gates = torch.rand(B, T, H, 5, generator=gen)[..., 1:4]
+    o_win = torch.randn(B, T, H, D, generator=gen)
+    o, lse = sel_forward(q, k, v, idx, ss, ls, 0.25)
+    out, o2, lse2 = sel_forward(q, k, v, idx, ss, ls, 0.25, combine=(gates, seg, o_win))
+    assert torch.equal(out, combine.combine_forward(gates, seg, o, o_win))
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+def test_dense_core_output_without_autograd(fused, gen):
+    """Under torch.no_grad the dense core gives the output it gives with autograd on."""
+    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32, True)
+    with_grad = nsa_attention(q, k, v, g, CFG)
+    with torch.no_grad():
+        without = nsa_attention(q, k, v, g, CFG)
+    assert torch.equal(with_grad.detach(), without)
+
+
 # --- the dense core: the fused pipeline as one autograd node (compressed branch folded by view) ------------
 
 

@@ -395,3 +395,33 @@ def test_sdpa_drives_the_same_selection_as_the_torch_path(clean_env, gen, packed
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
         fin = torch.isfinite(lse_ref)
         torch.testing.assert_close(lse[fin].double(), lse_ref[fin].double(), rtol=1e-6, atol=1e-6)
+
+
+def test_plan_cache_reuses_decisions_and_records_every_call(fakes, gen, clean_env, monkeypatch):
+    """A cached plan (dense CUDA calls; keyed here on CPU tensors by a stand-in key of the same fields) is
+    returned as is and its decisions are counted again for each call; a toggle, a shape, grad mode or a
+    provider object change the key; packed input is never cached."""
+    monkeypatch.setattr(plan, "_cache_key", lambda *a: ("cpu-test", *a[:4], a[8], a[9], torch.is_grad_enabled(),
+                                                       tuple(a[1].shape)))
+    plan.clear_cache()
+    q, k, v, _ = make_inputs(gen, 1, 40, 4, 2, 16, 16, torch.float32)
+    cfg = SMALL["l8d4s8n4"]
+    telemetry.reset()
+    first = plan.make_plan("auto", q, k, v, cfg)
+    assert plan.make_plan("auto", q, k, v, cfg) is first
+    assert telemetry.served("win") == {first.win.provider: 2} and telemetry.snapshot()["calls"] > 0
+    clean_env.setenv("NSA_USE_FA2_WIN", "0")
+    off = plan.make_plan("auto", q, k, v, cfg)
+    assert off is not first and off.win.provider != first.win.provider
+    assert plan.make_plan("auto", q[:, :20], k[:, :20], v[:, :20], cfg) is not off
+    with torch.no_grad():
+        assert plan.make_plan("auto", q, k, v, cfg) is not off
+    cu = torch.tensor([0, 10, 40], dtype=torch.int32)
+    packed = [plan.make_plan("auto", q, k, v, cfg, cu_seqlens=cu) for _ in range(2)]
+    assert packed[0] is not packed[1]
+    plan.clear_cache()
+
+
+def test_plan_cache_key_only_for_cuda(gen):
+    q, k, v, _ = make_inputs(gen, 1, 40, 4, 2, 16, 16, torch.float32)
+    assert plan._cache_key("auto", q, k, v, SMALL["l8d4s8n4"], None, None, False, None, None) is None

@@ -254,3 +254,20 @@ def test_topn_ties_go_to_lower_index(gen):
         assert rate > 0.99, (dtype, rate)
         assert torch.equal(idx[0, 1024:1100].cpu(), ref_lp.indices[0, 1024:1100]), dtype  # q = 0: exact ties
     assert ref.indices.shape == (1, T, Hkv, cfg.n_sel)
+
+
+def test_plan_cache_on_cuda(gen, monkeypatch):
+    """Dense CUDA calls reuse their plan (every call still counted in telemetry); a toggle or the TMA switch
+    gives a new one."""
+    from nsa.kernels.triton import tma
+
+    q, k, v, g = make(gen, 1, 300, 8, 2, 64, 64, torch.bfloat16)
+    plan.clear_cache()
+    telemetry.reset()
+    first = plan.make_plan("auto", q, k, v, PAPER)
+    assert plan.make_plan("auto", q, k, v, PAPER) is first
+    assert sum(telemetry.served("sel").values()) == 2
+    monkeypatch.setattr(tma, "ENABLED", not tma.ENABLED)
+    assert plan.make_plan("auto", q, k, v, PAPER) is not first
+    monkeypatch.setenv("NSA_USE_TRITON_TOPN", "0")
+    assert plan.make_plan("auto", q, k, v, PAPER).topn.provider == "torch"

@@ -122,7 +122,8 @@ class Fa2Provider:
 
     def attn(self, q, k, v, *, causal: bool, left: int, scale: float, varlen, need_lse: bool):
         """One FA-2 call. Dense q [B, Tq, H, D] or varlen q [total, H, D] with varlen = (cu_q, cu_k, max_q,
-        max_k). causal: bottom-right causal; else left >= 0 is a window (w-1, 0). Returns (out, lse or None)
+        max_k). causal: bottom-right causal; else left >= 0 is a window (w-1, 0) and left < 0 no mask at all
+        (every query sees every key). Returns (out, lse or None)
         with lse dense [B, H, Tq] / varlen [H, total_q]."""
         raise NotImplementedError
 

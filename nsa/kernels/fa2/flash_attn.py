@@ -43,7 +43,7 @@ class FlashAttnProvider(Fa2Provider):
 
     def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         mod = self._mod()
-        window = (-1, -1) if causal else (left, 0)
+        window = (-1, -1) if causal or left < 0 else (left, 0)
         kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window,
                   return_attn_probs=need_lse)
         if varlen is None:

@@ -28,7 +28,7 @@ class TorchFlashProvider(Fa2Provider):
 
     def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         op = self.kernel or torch.ops.aten._flash_attention_forward
-        right = -1 if causal else 0
+        right = -1 if causal or left < 0 else 0
         if varlen is None:
             out, lse, *_ = op(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale,
                               window_size_left=left, window_size_right=right)
@@ -37,3 +37,4 @@ class TorchFlashProvider(Fa2Provider):
             out, lse, *_ = op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
                               window_size_left=left, window_size_right=right)
         return out, lse
+

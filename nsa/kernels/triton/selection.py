@@ -62,12 +62,15 @@ def _check(q, k, v, indices, seq_start, block_sel):
         raise ValueError(f"block_sel must be >= 1, got {block_sel}")
 
 
-def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float):
-    """Raw forward: (o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row)."""
+def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, combine=None):
+    """Raw forward: (o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row).
+    combine = (gates, o_cmp Segments, o_win): (out, o, lse) with the gate combine done by the kernel
+    (nsa.kernels.triton.selection_fwd)."""
     from .selection_fwd import sel_forward as forward
 
     _check(q, k, v, indices, seq_start, block_sel)
-    return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N)
+    return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N,
+                   combine=combine)
 
 
 def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, dq_into=None,

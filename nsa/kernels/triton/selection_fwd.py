@@ -40,6 +40,28 @@ def _np2(x: int) -> int:
 
 
 @triton.jit
+def _combine_row(o, GT, A, A2, W, OUT, b, t, heads, rd, g_ok, gd_ok, a_lo, a_hi, a2_hi, sg0, sg1, sg2, sg3,
+                 sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, s0, s1, s2, s3):
+    """The gate combine of one token's heads (nsa.kernels.triton.combine, same arithmetic: fp32 on the
+    branch outputs in their stored dtype): out = g_cmp * o_cmp + g_sel * o + g_win * o_win, with o_cmp in
+    two token segments [a_lo, a_hi) and [a_hi, a2_hi) (0 outside); OUT and W have o's strides (s0..s3)."""
+    gp = GT + b * sg0 + t * sg1 + heads * sg2
+    g0 = tl.load(gp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(gp + sg3, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(gp + 2 * sg3, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+    in1 = (t >= a_lo) & (t < a_hi)
+    in2 = (t >= a_hi) & (t < a2_hi)
+    a = tl.load(A + b * sa0 + tl.where(in1, t - a_lo, 0) * sa1 + heads[:, None] * sa2 + rd[None, :] * sa3,
+                mask=gd_ok & in1, other=0.0).to(tl.float32)
+    a += tl.load(A2 + b * sb0 + tl.where(in2, t - a_hi, 0) * sb1 + heads[:, None] * sb2 + rd[None, :] * sb3,
+                 mask=gd_ok & in2, other=0.0).to(tl.float32)
+    w = tl.load(W + b * s0 + t * s1 + heads[:, None] * s2 + rd[None, :] * s3, mask=gd_ok, other=0.0)
+    out = g0 * a + g1 * o.to(tl.float32) + g2 * w.to(tl.float32)
+    tl.store(OUT + b * s0 + t * s1 + heads[:, None] * s2 + rd[None, :] * s3, out.to(OUT.dtype.element_ty),
+             mask=gd_ok)
+
+
+@triton.jit
 def _sel_fwd_kernel(
     Q, K, V, KD, VD, IDX, SS, O, LSE,
     sqb, sqt, sqh, sqd,
@@ -50,9 +72,11 @@ def _sel_fwd_kernel(
     sob, sot, soh, sod,
     slb, slt, slh,
     T, Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
+    GT, A, A2, W, OUT, a_lo, a_hi, a2_hi,
+    sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
-    EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
+    EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False, COMBINE: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -117,26 +141,31 @@ def _sel_fwd_kernel(
                     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
                 m_i = m_new
             has = l_i > 0
-            o = acc / tl.where(has, l_i, 1.0)[:, None]
-            tl.store(O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod, o.to(O.dtype.element_ty),
-                     mask=g_ok[:, None] & dv_ok[None, :])
+            o = (acc / tl.where(has, l_i, 1.0)[:, None]).to(O.dtype.element_ty)
+            gd_ok = g_ok[:, None] & dv_ok[None, :]
+            tl.store(O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod, o, mask=gd_ok)
             lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             tl.store(LSE + b * slb + t * slt + heads * slh, lse, mask=g_ok)
+            if COMBINE:
+                _combine_row(o, GT, A, A2, W, OUT, b, t, heads, rdv, g_ok, gd_ok, a_lo, a_hi, a2_hi, sg0, sg1, sg2,
+                             sg3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, sob, sot, soh, sod)
 
 
 def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
-                  max_block_n: int = 64, tma: bool = False) -> dict:
+                  max_block_n: int = 64, tma: bool = False, combine: bool = False) -> dict:
     """Tile sizes, tokens per program, warps, pipeline depth and TMA copies for one shape (H100, G=16,
     D=128, 8k-64k, bench/tune_kernels.py, tune_topn_sel.csv and tune_sel_fwd.csv): with pointer loads 2
     tokens per program, 3 stages, 4 warps; with TMA copies 1 token and 1 warp for up to 16 heads (64k: 16.5
     ms against 16.8 with 4 warps and 3 stages; 8k: 1.82 against 1.96 ms), in 16-token tiles with 3 stages
     (64k: 16.4-16.7 ms against 16.7-16.9 with 64-token tiles and 2 stages; 8k: 1.72-1.74 against 1.83-1.84
-    ms)."""
+    ms). With the gate combine in the epilogue, 32-token tiles (H200, 64k: 13.65 ms against 13.86 with
+    16-token tiles and 14.00 with 32-token tiles in 2 stages; 8k: 1.66 against 1.73)."""
     wide = max(Dk, Dv) > 128
     one_warp = tma and not wide and G <= 16 and dtype != torch.float32
     return {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
-        "BLOCK_N": 16 if one_warp else min(max(16, _np2(block_sel)), max_block_n),
+        "BLOCK_N": min(32 if combine else 16, max(16, _np2(block_sel))) if one_warp
+        else min(max(16, _np2(block_sel)), max_block_n),
         "BLOCK_DK": max(16, _np2(Dk)),
         "BLOCK_DV": max(16, _np2(Dv)),
         "TMA": tma,
@@ -147,18 +176,34 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
 
 
 def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, config: dict | None = None,
-                max_block_g: int = 64, max_block_n: int = 64):
+                max_block_g: int = 64, max_block_n: int = 64, combine=None):
     """(o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row).
-    indices int32 [B, T, Hkv, n]; seq_start int [B, T]; config overrides launch_config's choices."""
+    indices int32 [B, T, Hkv, n]; seq_start int [B, T]; config overrides launch_config's choices.
+
+    combine = (gates, o_cmp Segments, o_win): the gate combine runs in the kernel's epilogue and the result
+    is (out, o, lse). At T=64k on an H200 (bf16, Hq=64, Hkv=4, D=128) that takes 14.00 ms against 14.45
+    for this kernel and the separate combine kernel (which reads 3 GB and writes 1 GB): the kernel is
+    bound by L2 bandwidth over the gathered K/V and hides most of the extra reads. Skipping the o and LSE
+    stores when no backward needs them was slower (14.4-14.8 ms), so they are always written."""
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     o = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, T, Hq, Dv, device=q.device, dtype=q.dtype) if combine is not None else None
+    if combine is None:
+        comb_args = (o, o, o, o, o, 0, 0, 0, *([0] * 12))
+    else:  # (every argument costs the launch about 2.5 us of host time: out and o_win take o's strides)
+        gates, seg, o_win = combine
+        o_win = o_win if o_win.stride() == o.stride() else o_win.contiguous()
+        m, tail, lo, hi, hi2, *sa = seg.args()
+        comb_args = (gates, m, tail, o_win, out, lo, hi, hi2, *gates.stride(), *sa)
     if B * T * Hq == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
+        o, lse = o.zero_(), lse.fill_(float("-inf"))
+        return (o, lse) if combine is None else (out, o, lse)
     G = Hq // Hkv
     use_tma = tma.supported(k, v) if (config or {}).get("TMA") is None else config["TMA"]
-    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n, use_tma), **(config or {})}
+    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n, use_tma, combine is not None),
+            **(config or {})}
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     n = indices.shape[3]
@@ -169,10 +214,10 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     _sel_fwd_kernel[grid](
         q, k, v, kd, vd, indices, seq_start, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
-        T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E,
-        IEEE=q.dtype == torch.float32, **meta,
+        T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E, *comb_args,
+        IEEE=q.dtype == torch.float32, COMBINE=combine is not None, **meta,
     )
-    return o, lse
+    return (o, lse) if combine is None else (out, o, lse)
 
 
 __all__ = ["sel_forward", "launch_config"]

@@ -48,7 +48,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _tile_descriptor(t: torch.Tensor, block_n: int, block_d: int, kernel: str):
+def tile_descriptor(t: torch.Tensor, block_n: int, block_d: int, kernel: str):
     """Descriptor of [B, T, H, D] `t` whose loads at [b, token, h, 0] give a [1, block_n, 1, block_d] tile."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -62,7 +62,7 @@ def kv_descriptors(use: bool, k: torch.Tensor, v: torch.Tensor, block_n: int, bl
     themselves (the kernel then ignores them and loads through pointers)."""
     if not use:
         return k, v
-    return _tile_descriptor(k, block_n, block_dk, kernel), _tile_descriptor(v, block_n, block_dv, kernel)
+    return tile_descriptor(k, block_n, block_dk, kernel), tile_descriptor(v, block_n, block_dv, kernel)
 
 
-__all__ = ["supported", "triton_has_descriptors", "kv_descriptors", "ENABLED", "FORCE", "USED"]
+__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "kv_descriptors", "ENABLED", "FORCE", "USED"]

@@ -1,0 +1,266 @@
+"""NSA's sliding-window branch (Triton, Hopper TMA copies): causal attention over the last `window` keys of
+each query, GQA by index, forward and backward.
+
+Why kernels of our own for a branch FA-2 already serves: PyTorch's built-in FA-2 runs the window branch
+at about 205 TF/s forward on an H200 (T=64k, Hq=64, Hkv=4, D=128, w=512: 5.35 ms), this forward at about
+350 (3.13 ms), where dense causal FA-2 reaches 340; the backward takes 11.1 ms against FA-2's 14.0 (plus
+FA-2's separate sums of dK/dV over each group's heads). With a band of w keys per query, FA-2's 128-row
+tiles spend most of their few key blocks on the masked edges; 64-row tiles with 64-key blocks (4 warps,
+TMA) waste less and keep more programs per SM (bench/tune_kernels.py --kernels window: 3.13 ms
+at 64k against 3.99 for the best 128-row tiles; 0.40 ms at 8k against 0.51, and 0.67 for FA-2).
+
+Forward: one program per (64 queries, batch x query head); the grid's first axis is the head so that the
+G heads of a KV head run side by side and share its K/V tiles in L2. Key blocks come in three runs: the
+window's lower edge (masked), the blocks every row sees (no mask), the causal diagonal (masked). Online
+softmax in fp32, exp2 domain; the running max starts at a finite -1e30 so that a row with no key yet in a
+block gives p = 0 rather than NaN. It writes o and the log-sum-exp [B, Hq, T] (FA-2's layout).
+
+Backward (FlashAttention-2's scheme): delta = rowsum(o * dO); one program per key tile of a KV head
+accumulates dK and dV over every query head of its group and every query tile that sees the tile (so no
+atomics and no separate sum over the group); one program per query tile and head accumulates dQ over
+the key tiles of its window. Offsets are int64; TMA copies read rows outside [0, T) as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tma
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128, 256)  # tl.arange needs a power of two; FA-2 serves the rest
+
+
+@triton.jit
+def _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, lo, hi, rm, rn, qk_scale, left,
+                   MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    """Key blocks [lo, hi) of one query tile into the online softmax state (acc, l_i, m_i)."""
+    for n0 in tl.range(lo, hi, BN, num_stages=STAGES):
+        k = tl.reshape(KD.load([b, n0, hk, 0]), [BN, D])
+        s = tl.dot(q, tl.trans(k))
+        if MASK:
+            back = rm[:, None] - (n0 + rn)[None, :]  # how far the key lies behind the query
+            s = tl.where((back >= 0) & (back <= left), s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.reshape(VD.load([b, n0, hk, 0]), [BN, D])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _window_fwd_kernel(QD, KD, VD, O, LSE, sob, sot, soh, slb, slh, T, Hq, G, left, qk_scale,
+                       BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // G
+    m0 = tl.program_id(1) * BM
+    rm = m0 + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    q = tl.reshape(QD.load([b, m0, h, 0]), [BM, D])
+    m_i = tl.full([BM], -1.0e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    # [edge_lo, full_lo): the window's lower edge cuts through; [full_lo, m0): every row sees all keys;
+    # [m0, m0 + BM): the diagonal. Block starts are multiples of BN (BM is one too).
+    # (integer division of non-negative values only: the interpreter and the GPU round negatives apart)
+    edge_lo = tl.maximum(m0 - left, 0) // BN * BN
+    full_lo = tl.minimum(tl.maximum((tl.maximum(m0 + BM - 1 - left, 0) + BN - 1) // BN * BN, edge_lo), m0)
+    acc, l_i, m_i = _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, edge_lo, full_lo, rm, rn, qk_scale, left,
+                                   True, BN, D, STAGES)
+    acc, l_i, m_i = _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, full_lo, m0, rm, rn, qk_scale, left,
+                                   False, BN, D, STAGES)
+    acc, l_i, m_i = _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, m0, tl.minimum(m0 + BM, T), rm, rn, qk_scale,
+                                   left, True, BN, D, STAGES)
+    row_ok = rm < T  # a row past T saw only zero keys: not stored
+    l_i = tl.where(row_ok, l_i, 1.0)
+    rd = tl.arange(0, D)
+    b64, h64, rm64 = b.to(tl.int64), h.to(tl.int64), rm.to(tl.int64)
+    o = acc / l_i[:, None]
+    tl.store(O + b64 * sob + rm64[:, None] * sot + h64 * soh + rd[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + b64 * slb + h64 * slh + rm64, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+def launch_config(D: int) -> dict:
+    """Tiles, warps and stages per head dim (H200, bf16, T=8k-64k, w=512, bench/tune_kernels.py)."""
+    if D > 128:
+        return {"BM": 64, "BN": 32, "STAGES": 2, "num_warps": 4}
+    return {"BM": 64, "BN": 64, "STAGES": 3, "num_warps": 4}
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, str]:
+    """(whether window_forward serves these tensors, why not)."""
+    D = q.shape[-1]
+    if not (k.shape[-1] == v.shape[-1] == D and D in HEAD_DIMS):
+        return False, f"head dims Dk={q.shape[-1]}, Dv={v.shape[-1]} (needs Dk == Dv in {HEAD_DIMS})"
+    if not tma.supported(q, k, v):
+        return False, "no TMA copies here (sm 9.0+, fp16/bf16, 16-byte aligned strides)"
+    return True, ""
+
+
+def window_forward(q, k, v, window: int, scale: float, config: dict | None = None):
+    """(o [B, T, Hq, D] in q's dtype, lse [B, Hq, T] fp32 natural log) of causal attention over the last
+    `window` keys (the query's own included); k, v [B, T, Hkv, D] with Hq a multiple of Hkv."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    meta = {**launch_config(D), **(config or {})}
+    if meta["BM"] % meta["BN"]:  # the three runs of key blocks start at multiples of BN, the diagonal at m0
+        raise ValueError(f"the query tile BM={meta['BM']} must be a multiple of the key tile BN={meta['BN']}")
+    if not torch.cuda.is_available():
+        meta.pop("num_warps", None)
+    o = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
+    if B * T * Hq == 0:
+        return o, lse
+    qd = tma.tile_descriptor(q, meta["BM"], D, "window_fwd")
+    kd, vd = tma.kv_descriptors(True, k, v, meta["BN"], D, D, "window_fwd")
+    grid = (B * Hq, triton.cdiv(T, meta["BM"]))
+    _window_fwd_kernel[grid](qd, kd, vd, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+                             lse.stride(1), T, Hq, Hq // Hkv, window - 1, scale * LOG2E, D=D, **meta)
+    return o, lse
+
+
+
+
+
+# --- backward ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _window_delta_kernel(O, DO, DELTA, sob, sot, soh, T, Hq, BM: tl.constexpr, D: tl.constexpr):
+    """delta[b, h, t] = sum_d o * do (fp32): the softmax backward's row term."""
+    pid_bh = tl.program_id(0)
+    b, h = (pid_bh // Hq).to(tl.int64), (pid_bh % Hq).to(tl.int64)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rd = tl.arange(0, D)
+    off = b * sob + rm.to(tl.int64)[:, None] * sot + h * soh + rd[None, :]
+    ok = (rm < T)[:, None]
+    o = tl.load(O + off, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + (b * Hq + h) * T + rm, tl.sum(o * do, axis=1), mask=rm < T)
+
+
+@triton.jit
+def _window_dkdv_kernel(QD, KD, VD, DOD, LSE, DELTA, DK, DV, sdb, sdt, sdh, T, Hq, Hkv, G, left, qk_scale, sm_scale,
+                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    """dK, dV of one key tile of one KV head: every query head of its group, every query tile that sees it
+    (queries [n0, n0 + BN - 1 + left]); no atomics."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = tl.program_id(0) * BN
+    rn = n0 + tl.arange(0, BN)
+    k = tl.reshape(KD.load([b, n0, hk, 0]), [BN, D])
+    v = tl.reshape(VD.load([b, n0, hk, 0]), [BN, D])
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    m_lo = n0 // BM * BM
+    m_hi = tl.minimum(n0 + BN - 1 + left + 1, T)
+    for g in range(0, G):
+        h = hk * G + g
+        row = (b * Hq + h).to(tl.int64) * T
+        for m0 in tl.range(m_lo, m_hi, BM, num_stages=STAGES):
+            rm = m0 + tl.arange(0, BM)
+            q = tl.reshape(QD.load([b, m0, h, 0]), [BM, D])
+            do = tl.reshape(DOD.load([b, m0, h, 0]), [BM, D])
+            lse2 = tl.load(LSE + row + rm, mask=rm < T, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + row + rm, mask=rm < T, other=0.0)
+            s_t = tl.dot(k, tl.trans(q))  # [BN, BM]: key rows, query columns
+            back = rm[None, :] - rn[:, None]
+            p_t = tl.where((back >= 0) & (back <= left), tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    b64, hk64, rn64 = b.to(tl.int64), hk.to(tl.int64), rn.to(tl.int64)
+    rd = tl.arange(0, D)
+    off = b64 * sdb + rn64[:, None] * sdt + hk64 * sdh + rd[None, :]
+    tl.store(DK + off, (dk * sm_scale).to(DK.dtype.element_ty), mask=(rn < T)[:, None])
+    tl.store(DV + off, dv.to(DV.dtype.element_ty), mask=(rn < T)[:, None])
+
+
+@triton.jit
+def _window_dq_kernel(QD, KD, VD, DOD, LSE, DELTA, DQ, sqb, sqt, sqh, T, Hq, G, left, qk_scale, sm_scale,
+                      BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    """dQ of one query tile of one head: the key tiles of its window, as the forward walks them."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // G
+    m0 = tl.program_id(1) * BM
+    rm = m0 + tl.arange(0, BM)
+    row = (b * Hq + h).to(tl.int64) * T
+    q = tl.reshape(QD.load([b, m0, h, 0]), [BM, D])
+    do = tl.reshape(DOD.load([b, m0, h, 0]), [BM, D])
+    lse2 = tl.load(LSE + row + rm, mask=rm < T, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + row + rm, mask=rm < T, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    lo = tl.maximum(m0 - left, 0) // BN * BN
+    for n0 in tl.range(lo, tl.minimum(m0 + BM, T), BN, num_stages=STAGES):
+        rn = n0 + tl.arange(0, BN)
+        k = tl.reshape(KD.load([b, n0, hk, 0]), [BN, D])
+        v = tl.reshape(VD.load([b, n0, hk, 0]), [BN, D])
+        s = tl.dot(q, tl.trans(k))
+        back = rm[:, None] - rn[None, :]
+        p = tl.where((back >= 0) & (back <= left), tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    b64, h64, rm64 = b.to(tl.int64), h.to(tl.int64), rm.to(tl.int64)
+    rd = tl.arange(0, D)
+    tl.store(DQ + b64 * sqb + rm64[:, None] * sqt + h64 * sqh + rd[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(rm < T)[:, None])
+
+
+def backward_config(D: int) -> dict:
+    """Tiles, warps and stages of the backward kernels per head dim (H200, bf16, Hq=64, Hkv=4, D=128, w=512:
+    11.08 ms at 64k and 1.39 at 8k with 64 x 64 tiles, 4 warps, 3 stages, against 11.34 / 1.42 with 2 stages,
+    13.1 / 1.66 with 32-query tiles, 14.6 / 1.86 with 128 x 128 tiles and 8 warps, and FA-2's backward fed
+    the same o and LSE, 14.03 / 1.77)."""
+    if D > 128:
+        return {"BM": 32, "BN": 32, "STAGES": 2, "num_warps": 4}
+    return {"BM": 64, "BN": 64, "STAGES": 3, "num_warps": 4}
+
+
+def window_backward(do, q, k, v, o, lse, window: int, scale: float, config: dict | None = None):
+    """(dq, dk, dv) of window_forward, from its o and lse and the output gradient do [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    meta = {**backward_config(D), **(config or {})}
+    if not torch.cuda.is_available():
+        meta.pop("num_warps", None)
+    do = do.contiguous()
+    dq = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+    dk = torch.empty(B, T, Hkv, D, device=k.device, dtype=k.dtype)
+    dv = torch.empty(B, T, Hkv, D, device=v.device, dtype=v.dtype)
+    if B * T * Hq == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
+    BM, BN, stages, warps = meta["BM"], meta["BN"], meta["STAGES"], meta.get("num_warps")
+    extra = {} if warps is None else {"num_warps": warps}
+    _window_delta_kernel[(B * Hq, triton.cdiv(T, 64))](o, do, delta, o.stride(0), o.stride(1), o.stride(2), T, Hq,
+                                                       BM=64, D=D, **extra)
+    qd = tma.tile_descriptor(q, BM, D, "window_bwd")
+    dod = tma.tile_descriptor(do, BM, D, "window_bwd")
+    kd, vd = tma.kv_descriptors(True, k, v, BN, D, D, "window_bwd")
+    lse = lse.contiguous()
+    args = (T, Hq)
+    _window_dkdv_kernel[(triton.cdiv(T, BN), B * Hkv)](
+        qd, kd, vd, dod, lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), *args, Hkv, Hq // Hkv,
+        window - 1, scale * LOG2E, scale, BM=BM, BN=BN, D=D, STAGES=stages, **extra)
+    _window_dq_kernel[(B * Hq, triton.cdiv(T, BM))](
+        qd, kd, vd, dod, lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), *args, Hq // Hkv, window - 1,
+        scale * LOG2E, scale, BM=BM, BN=BN, D=D, STAGES=stages, **extra)
+    return dq, dk, dv
+__all__ = ["HEAD_DIMS", "backward_config", "launch_config", "supported", "window_backward", "window_forward"]

@@ -1,0 +1,173 @@
+"""The sliding-window kernels (nsa.kernels.triton.window) in Triton's CPU interpreter: o, LSE and the
+gradients against an fp64 oracle on every kind of key block (window edge, full, diagonal, past T), and
+inside the dense core against the torch path. fp32 (the interpreter's bf16 dot is not faithful; the GPU
+suite covers bf16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
+if not any(m.startswith("nsa.kernels.triton.") for m in sys.modules):
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules load
+try:
+    from nsa.kernels.triton import tma, window
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"the Triton kernels do not import: {e}", allow_module_level=True)
+if "Interpreted" not in type(window._window_fwd_kernel).__name__:
+    pytest.skip("the kernel modules were loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+
+from nsa import NSAConfig, nsa_attention, plan, telemetry  # noqa: E402
+
+from . import backend_fakes  # noqa: E402
+from .helpers import make_inputs, rel_err  # noqa: E402
+
+
+def window_oracle(q, k, v, w, scale):
+    """fp64 (o [B, T, Hq, D], lse [B, Hq, T]) of causal attention over the last w keys."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    kk, vv = k.double().repeat_interleave(G, 2), v.double().repeat_interleave(G, 2)
+    s = torch.einsum("bthd,bshd->bhts", q.double(), kk) * scale
+    back = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    s = s.masked_fill(~((back >= 0) & (back < w)), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1)
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    monkeypatch.setattr(tma, "FORCE", True)  # the interpreter runs TMA descriptors on CPU tensors
+
+
+# (T, window, G, D, tiles): tiles of 16 rows / keys make every block kind appear at small T; T not a
+# multiple of the tile; a window of 1, one inside a tile, one wider than T; the default tiles (64 rows)
+# with a T shorter than one tile.
+CASES = [(100, 40, 2, 16, (16, 16)), (77, 16, 1, 16, (16, 16)), (50, 1, 4, 16, (16, 16)), (70, 9, 2, 32, (32, 16)),
+         (45, 200, 2, 16, (16, 16)), (40, 24, 2, 64, None), (130, 70, 1, 32, (32, 32))]
+
+
+@pytest.mark.parametrize("T,w,G,D,tiles", CASES)
+def test_window_forward_matches_oracle(gen, descriptors, T, w, G, D, tiles):
+    B, Hkv = 2, 2
+    q = torch.randn(B, T, Hkv * G, D, generator=gen)
+    k, v = (torch.randn(B, T, Hkv, D, generator=gen) for _ in range(2))
+    cfg = None if tiles is None else {"BM": tiles[0], "BN": tiles[1], "STAGES": 2}
+    o, lse = window.window_forward(q, k, v, w, 0.3, config=cfg)
+    want_o, want_lse = window_oracle(q, k, v, w, 0.3)
+    assert o.shape == (B, T, Hkv * G, D) and lse.shape == (B, Hkv * G, T)
+    assert (o.double() - want_o).abs().max() <= 2e-5
+    assert (lse.double() - want_lse).abs().max() <= 2e-5
+
+
+# w = 34 with 16-token tiles: the last query that sees a key tile starts a query tile of its own.
+BWD_CASES = [(100, 40, 2, 16, (16, 16)), (90, 34, 2, 16, (16, 16)), (77, 16, 1, 16, (32, 16)), (50, 1, 2, 16, (16, 16)),
+             (45, 200, 2, 16, (16, 32)), (130, 70, 1, 32, (32, 32)), (40, 24, 2, 64, None)]
+
+
+@pytest.mark.parametrize("T,w,G,D,tiles", BWD_CASES)
+def test_window_backward_matches_oracle(gen, descriptors, T, w, G, D, tiles):
+    """dq, dk, dv from the kernel's o and LSE against autograd through the fp64 oracle: query tiles longer
+    and shorter than key tiles, a window of 1, one wider than T, the default tiles."""
+    B, Hkv = 2, 2
+    q = torch.randn(B, T, Hkv * G, D, generator=gen)
+    k, v = (torch.randn(B, T, Hkv, D, generator=gen) for _ in range(2))
+    do = torch.randn(B, T, Hkv * G, D, generator=gen)
+    o, lse = window.window_forward(q, k, v, w, 0.3, config={"BM": 16, "BN": 16, "STAGES": 2})
+    cfg = None if tiles is None else {"BM": tiles[0], "BN": tiles[1], "STAGES": 2}
+    got = window.window_backward(do, q, k, v, o, lse, w, 0.3, config=cfg)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(window_oracle(*leaves, w, 0.3)[0], leaves, do.double())
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
+
+
+def test_window_forward_wide_head_config(gen, descriptors):
+    """D > 128 takes its own tiles (32-key blocks, 2 stages)."""
+    assert window.launch_config(256) == {"BM": 64, "BN": 32, "STAGES": 2, "num_warps": 4}
+    q = torch.randn(1, 70, 2, 256, generator=gen)
+    k, v = (torch.randn(1, 70, 1, 256, generator=gen) for _ in range(2))
+    o, lse = window.window_forward(q, k, v, 37, 0.1)
+    want_o, want_lse = window_oracle(q, k, v, 37, 0.1)
+    assert (o.double() - want_o).abs().max() <= 2e-5 and (lse.double() - want_lse).abs().max() <= 2e-5
+
+
+def test_supported_and_bad_window(gen, descriptors):
+    q = torch.randn(1, 8, 2, 64)
+    assert window.supported(q, q[:, :, :1], q[:, :, :1])[0]
+    ok, why = window.supported(torch.randn(1, 8, 2, 48), torch.randn(1, 8, 1, 48), torch.randn(1, 8, 1, 48))
+    assert not ok and "head dims" in why
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        window.window_forward(q, q, q, 0, 1.0)
+    with pytest.raises(ValueError, match="multiple of the key tile"):
+        window.window_forward(q, q, q, 4, 1.0, config={"BM": 16, "BN": 32})
+
+
+# --- inside the dense core -----------------------------------------------------------------------------------
+
+
+clean_env = backend_fakes.clean_env
+
+
+@pytest.fixture
+def torch_flash_core(clean_env):
+    """torch_flash (emulated) for cmp and win, the Triton kernels on CPU, TMA descriptors on: auto takes the
+    dense core with the Triton window."""
+    env = clean_env
+    absent = backend_fakes.emulated("flash_attn")
+    absent.available_override = (False, "flash-attn is not installed")
+    env.setattr(plan, "PROVIDERS", {"flash_attn": absent, "torch_flash": backend_fakes.emulated("torch_flash"),
+                                    "sdpa": plan.PROVIDERS["sdpa"]})
+    env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
+    env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
+    for prov in plan.TRITON.values():
+        env.setattr(prov, "allow_cpu", True)
+    env.setattr(tma, "FORCE", True)
+    return env
+
+
+def _window_events():
+    return sum(e["calls"] for e in telemetry.snapshot()["events"] if e["event"] == "window_forward")
+
+
+CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_local=1, window=12)
+
+
+@pytest.mark.parametrize("T,w", [(45, 12), (40, 64)])
+def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core, T, w):
+    """Output and every gradient equal the torch path's; the Triton window ran (its event) and the planner
+    says so; NSA_TRITON_WINDOW=0 keeps the window on FA-2 with the same result."""
+    cfg = NSAConfig(**{**CFG.__dict__, "window": w})
+    q, k, v, g = make_inputs(gen, 2, T, 4, 2, 64, 64, torch.float32, True)
+    want = nsa_attention(q, k, v, g, cfg, backend="torch")
+    go = torch.randn(want.shape, generator=gen)
+    want_grads = torch.autograd.grad(want, (q, k, v, g), go)
+    telemetry.reset()
+    got = nsa_attention(q, k, v, g, cfg)
+    assert _window_events() == 1 and telemetry.served("win") == {"torch_flash": 1}
+    assert telemetry.snapshot()["fallbacks"] == 0
+    assert rel_err(got, want) <= 2e-5
+    for name, a, b in zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), want_grads):
+        assert rel_err(a, b) <= 2e-5, name
+    torch_flash_core.setenv("NSA_TRITON_WINDOW", "0")
+    telemetry.reset()
+    off = nsa_attention(q, k, v, g, cfg)
+    assert _window_events() == 0 and rel_err(off, want) <= 2e-5
+
+
+def test_window_plan_needs_tma(gen, torch_flash_core):
+    """The Triton window serves the window's FA-2 providers alike (flash_attn here too), not without TMA
+    copies; neither case is a fallback."""
+    q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 64, 64, torch.float32)
+    torch_flash_core.setattr(plan, "PROVIDERS", {**plan.PROVIDERS, "flash_attn": backend_fakes.emulated("flash_attn")})
+    telemetry.reset()
+    p = plan.make_plan("auto", q, k, v, CFG)
+    assert p.dense_core and p.window_triton and p.win.provider == "flash_attn"
+    torch_flash_core.setattr(tma, "FORCE", False)
+    assert not plan.make_plan("auto", q, k, v, CFG).window_triton
+    assert telemetry.snapshot()["fallbacks"] == 0

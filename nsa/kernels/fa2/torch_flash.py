@@ -37,4 +37,3 @@ class TorchFlashProvider(Fa2Provider):
             out, lse, *_ = op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
                               window_size_left=left, window_size_right=right)
         return out, lse
-

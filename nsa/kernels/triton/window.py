@@ -255,12 +255,13 @@ def window_backward(do, q, k, v, o, lse, window: int, scale: float, config: dict
     dod = tma.tile_descriptor(do, BM, D, "window_bwd")
     kd, vd = tma.kv_descriptors(True, k, v, BN, D, D, "window_bwd")
     lse = lse.contiguous()
-    args = (T, Hq)
     _window_dkdv_kernel[(triton.cdiv(T, BN), B * Hkv)](
-        qd, kd, vd, dod, lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), *args, Hkv, Hq // Hkv,
+        qd, kd, vd, dod, lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), T, Hq, Hkv, Hq // Hkv,
         window - 1, scale * LOG2E, scale, BM=BM, BN=BN, D=D, STAGES=stages, **extra)
     _window_dq_kernel[(B * Hq, triton.cdiv(T, BM))](
-        qd, kd, vd, dod, lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), *args, Hq // Hkv, window - 1,
+        qd, kd, vd, dod, lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), T, Hq, Hq // Hkv, window - 1,
         scale * LOG2E, scale, BM=BM, BN=BN, D=D, STAGES=stages, **extra)
     return dq, dk, dv
+
+
 __all__ = ["HEAD_DIMS", "backward_config", "launch_config", "supported", "window_backward", "window_forward"]

@@ -1,18 +1,22 @@
 """Launch-configuration sweep of NSA's Triton kernels on one GPU: the data behind their launch tables.
 
-    PYTHONPATH=. python bench/tune_kernels.py --out DIR [--T 16384,65536] [--kernels topn,sel_fwd,sel_bwd,window]
+    PYTHONPATH=. python bench/tune_kernels.py --out DIR [--T 16384,65536] [--kernels topn,sel_fwd,sel_dq,sel_bwd,window]
 
-For the paper's heads (Hq=64, Hkv=4, D=128, bf16, paper blocks) and each T: the fused top-n kernel
-(nsa.kernels.triton.topn) over tokens per program x blocks per chunk x stages x warps x the two forms of
-the tail sums (shifted from the group tile, or a dot of their own); the selected-attention forward with
-the gate combine in its epilogue, as the dense core runs it (nsa.kernels.triton.selection_fwd), over
-key-tile length x pipeline stages x warps (TMA copies, one token per program, the launch table's choice
-against the pointer-load one); the sliding-window forward (nsa.kernels.triton.window) over query tile x
-key tile x warps x stages beside FA-2's window forward (`fa2_window` rows); and the selection backward
-as it is. Each against dense causal FA-2 forward in the same process. Medians of triton.testing.do_bench
-with min/max; CSV + JSON in --out; the fastest configuration per kernel is printed last. Every
-configuration's output is compared with the default configuration's (indices equal, outputs within
-1e-2) so a fast but wrong configuration cannot win.
+For the paper's heads (Hq=64, Hkv=4, D=128, bf16, paper blocks) and each T:
+- the fused top-n kernel (nsa.kernels.triton.topn) over tokens per program x blocks per chunk x stages x
+  warps, with TMA copies of q and of the key chunks (the launch's choice on Hopper), and the default tiles
+  with pointer loads;
+- the selected-attention forward with the gate combine in its epilogue, as the dense core runs it
+  (nsa.kernels.triton.selection_fwd), over key-tile length x pipeline stages x warps (TMA copies, one
+  token per program, the launch table's choice against the pointer-load one);
+- the sliding-window forward (nsa.kernels.triton.window) over query tile x key tile x warps x stages
+  beside FA-2's window forward (`fa2_window` rows);
+- the selection backward's dq kernel over warps x key-tile length x stages (`sel_dq`), and the whole
+  selection backward as it is (`sel_bwd`).
+Each against dense causal FA-2 forward in the same process. Medians of triton.testing.do_bench with
+min/max; CSV + JSON in --out; the fastest configuration per kernel is printed last. Every configuration's
+output is compared with the default configuration's (indices equal, outputs within 1e-2) so a fast but
+wrong configuration cannot win.
 """
 
 from __future__ import annotations
@@ -101,11 +105,12 @@ def sweep(T, args, kernels):
     else:
         rows_fa2 = []
     if "topn" in kernels:
-        default = tile_config(args.D)
-        grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)),
-                      [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw, "SHIFT_TAIL": sh}
-                       for bt, cpc, hs, nw, sh in itertools.product((64, 128), (64, 128, 256), (2, 3), (4, 8),
-                                                                    (True, False))]))
+        # The launch picks TMA copies of q and of the key chunks where the GPU has them (Hopper).
+        default = {**tile_config(args.D), "TMA_Q": tma.supported(q)}
+        grid = [{"BLOCK_T": bt, "CMP_PER_CHUNK": cpc, "HEAD_STAGES": hs, "num_warps": nw, "SHIFT_TAIL": True,
+                 "TMA_Q": True} for bt, cpc, hs, nw in itertools.product((64, 128), (64, 128, 256), (2, 3, 4), (4, 8))]
+        grid.append({**tile_config(args.D), "TMA_Q": False})  # pointer loads
+        grids.append(("topn", default, topn, lambda out: bool(torch.equal(out, base_idx)), grid))
     if "sel_fwd" in kernels:
         default = launch_config(G, args.D, args.D, cfg.block_sel, q.dtype, tma=tma.supported(k, v), combine=True)
         grid = [{"TMA": True, "TOKENS": 1, "BLOCK_N": bn, "STAGES": st, "num_warps": nw}
@@ -113,6 +118,35 @@ def sweep(T, args, kernels):
         grid.append({"TMA": False, "TOKENS": 2, "BLOCK_N": 64, "STAGES": 3, "num_warps": 4})
         grids.append(("sel_fwd", default, sel, lambda out: bool(((out[0].float() - o_ref.float()).abs().max()
                                                                  < 1e-2).item()), grid))
+    if "sel_dq" in kernels:  # the selection backward's dq kernel alone (its first launch), over warps x tile x stages
+        import copy
+
+        import triton
+
+        from nsa.kernels.triton.selection_bwd import backward_launches, bwd_config
+
+        do = torch.randn_like(o_ref)
+        base = bwd_config(G, args.D, args.D, cfg.block_sel, q.dtype, dev, tma=tma.supported(k, v))
+        dq_default = {k_: base["dq"][k_] for k_ in ("num_warps", "BLOCK_N", "NUM_STAGES")}
+        launched = {}
+
+        def sel_dq(conf):
+            key = tuple(sorted(conf.items()))
+            if key not in launched:  # outputs and launch arguments made once: the timing is the kernel's
+                c = copy.deepcopy(base)
+                c["dq"].update(conf, N_SUB=triton.cdiv(cfg.block_sel, conf["BLOCK_N"]), num_stages=conf["NUM_STAGES"])
+                (dq, _, _), launches = backward_launches(do, q, k, v, o_ref, lse_ref, base_idx, ss, cfg.block_sel,
+                                                         scale, cfg=c)
+                launched[key] = dq, next(launches)
+            dq, (kern, grid_, a, kw) = launched[key]
+            kern[grid_](*a, **kw)
+            return dq
+
+        dq_ref = sel_dq(dq_default).clone()
+        grids.append(("sel_dq", dq_default, sel_dq,
+                      lambda out: bool(((out.float() - dq_ref.float()).abs().max() < 1e-2).item()),
+                      [{"num_warps": nw, "BLOCK_N": bn, "NUM_STAGES": st}
+                       for nw, bn, st in itertools.product((1, 2, 4), (16, 32, 64), (2, 3, 4))]))
     rows = rows_fa2
     for name, default, fn, check, confs in grids:
         for conf in confs:
@@ -122,7 +156,8 @@ def sweep(T, args, kernels):
             except Exception as e:  # noqa: BLE001 - a configuration that fails to compile is reported, not fatal
                 med = lo = hi = None
                 status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            rows.append({"kernel": name, "T": T, "config": conf, "default": conf == {k_: default[k_] for k_ in conf},
+            is_default = conf == {k_: default.get(k_) for k_ in conf}
+            rows.append({"kernel": name, "T": T, "config": conf, "default": is_default,
                          "median_ms": med, "min_ms": lo, "max_ms": hi, "dense_fa2_fwd_ms": dense, "status": status})
             print(f"{name:8} T={T:6} {conf} {med} ms {status}", flush=True)
     if "sel_bwd" in kernels:
@@ -139,7 +174,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--T", default="16384,65536")
-    ap.add_argument("--kernels", default="topn,sel_fwd,sel_bwd")
+    ap.add_argument("--kernels", default="topn,sel_fwd,sel_dq,sel_bwd")
     ap.add_argument("--Hq", type=int, default=64)
     ap.add_argument("--Hkv", type=int, default=4)
     ap.add_argument("--D", type=int, default=128)

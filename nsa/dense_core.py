@@ -118,7 +118,7 @@ class DenseCore(torch.autograd.Function):
             idx = plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)  # unique and ascending: no dedupe pass
         else:
             idx = given
-        ss = layout.seq_start.to(torch.int32)
+        ss = layout.seq_start_i32
         seg = Segments(o_main.detach(), t0, o_tail.detach())
         # The gate combine runs in the selection kernel's epilogue.
         out, o_sel, lse_sel = sel_forward(q, k, v, idx, ss, cfg.block_sel, scale, combine=(gates, seg, window.o))

@@ -26,6 +26,11 @@ class SeqLayout:
     cmp_slot0: torch.Tensor  # [B, T] slot of block 0 of each token's sequence (its blocks follow in order)
     packed: bool = False  # built from cu_seqlens (else slot i is block i of every batch row)
 
+    @functools.cached_property
+    def seq_start_i32(self) -> torch.Tensor:
+        """seq_start as int32, what the Triton kernels read (made once per layout: reused layouts skip the copy)."""
+        return self.seq_start.to(torch.int32)
+
     @property
     def n_cmp(self) -> int:
         return self.cmp_start.shape[1]

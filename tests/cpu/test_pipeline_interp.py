@@ -21,7 +21,7 @@ if importlib.util.find_spec("triton") is None:
 if not any(m.startswith("nsa.kernels.triton.") for m in sys.modules):
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules load
 try:
-    from nsa.kernels.triton import combine, topn
+    from nsa.kernels.triton import combine, tma, topn
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"the Triton kernels do not import: {e}", allow_module_level=True)
 if "Interpreted" not in type(topn._topn_kernel).__name__:
@@ -127,7 +127,7 @@ def test_fused_given_blocks_and_empty_input(fused, gen):
 # --- the top-n kernel against the naive top-n: every configuration rule, dense, batched, packed ------------
 
 
-def _topn_case(gen, cfg, B, T, Hq, Hkv, D, cu=None):
+def _topn_case(gen, cfg, B, T, Hq, Hkv, D, cu=None, config=None):
     q = torch.randn(B, T, Hq, D, generator=gen)
     k = torch.randn(B, T, Hkv, D, generator=gen)
     layout = packed_layout(cu, T, cfg) if cu is not None else dense_layout(B, T, cfg, "cpu")
@@ -135,7 +135,7 @@ def _topn_case(gen, cfg, B, T, Hq, Hkv, D, cu=None):
     scale = D ** -0.5
     _, lse = compressed_attention(q, kc, vc, layout, cfg, scale)
     want = top_n(q, kc, lse, layout, cfg, scale)
-    got = topn.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)
+    got = topn.topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale, config=config)
     return got, want
 
 
@@ -196,6 +196,54 @@ def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed, block
             "BLOCK_T": 16, "CMP_PER_CHUNK": per_chunk, "HEAD_STAGES": 1, "num_warps": 4, "SHIFT_TAIL": s})
         got, want = _topn_case(gen, cfg, 1, T, 4, 2, 16, cu)
         assert torch.equal(got, want), shift
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("cfg,copy_kc", [(CFG, True), (NSAConfig(block_cmp=16, stride_cmp=8, block_sel=24, n_sel=3,
+                                                                 n_init=1, n_local=1, window=8), False)],
+                         ids=["q-and-keys", "q-only-R3"])
+def test_topn_kernel_tma_copies_match_naive(gen, monkeypatch, packed, cfg, copy_kc):
+    """The q tiles and the chunk's compressed keys by tensor-memory copies (the Hopper form): a copied key
+    chunk runs past the sequence's last block into the next sequence's (or past the end), which the causal
+    mask must zero. With R = 3 padded to 4 the keys keep their pointer loads."""
+    monkeypatch.setattr(tma, "FORCE", True)
+    tma.USED.clear()
+    T = 300
+    cu = torch.tensor([0, 7, 150, 151, T], dtype=torch.int32) if packed else None
+    conf = {"BLOCK_T": 16, "CMP_PER_CHUNK": 16, "HEAD_STAGES": 2, "num_warps": 4, "TMA_Q": True,
+            "TMA_KC": copy_kc}
+    got, want = _topn_case(gen, cfg, 1, T, 4, 2, 16, cu, config=conf)
+    assert torch.equal(got, want)
+    assert tma.USED["topn"] == 1 + copy_kc
+
+
+def test_topn_shift_parts_are_exact(gen):
+    """The tails' shift on GPUs runs as three bf16 dots, one per part of _bf16_parts: the parts add back to
+    every fp32 sum >= 2**-110 bit for bit (full 24-bit mantissas, values just below powers of two, zeros).
+    Dropping the third part fails it. (The dots themselves only move values: exact on the GPU, where the
+    GPU suite's top-n tests run them; the interpreter's bf16 dots are not faithful.)"""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def parts_kernel(X, P1, P2, P3, N: tl.constexpr):
+        r = tl.arange(0, N)
+        x = tl.load(X + r)
+        x1, x2, x3 = topn._bf16_parts(x)
+        tl.store(P1 + r, x1)
+        tl.store(P2 + r, x2)
+        tl.store(P3 + r, x3)
+
+    n = 64
+    x = torch.rand(n, generator=gen) * 16
+    x[:16] = torch.exp(torch.empty(16).uniform_(-76, 3, generator=gen))  # down to 2**-110
+    x[16:32] = torch.nextafter(2.0 ** torch.arange(-8, 8).float(), torch.tensor(0.0))
+    x[32] = 0.0
+    parts = [torch.empty(n, dtype=torch.bfloat16) for _ in range(3)]
+    parts_kernel[(1,)](x, *parts, N=n)
+    p1, p2, p3 = (t.float() for t in parts)
+    assert torch.equal(p1 + (p2 + p3), x)
+    assert not torch.equal(p1 + p2, x)
 
 
 def test_topn_kernel_rejects_unsupported_config():

@@ -72,9 +72,17 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     # fp32 tiles take twice the registers and shared memory: halve them
     dq_bn = min(max(16, _np2(block_sel)), DQ_MAX_BLOCK_N, 32 if ieee and width >= 256 else 64)
     dq_rows = min(DQ_MAX_BLOCK_G, (64 if width < 256 else 32) // (2 if ieee else 1))
+    # With TMA copies and one group of up to 16 heads, one warp with 32-token tiles in 2 stages, as in the
+    # forward (H200, bf16, G=16, D=128, the dq kernel alone at 64k: 15.2 ms against 16.3 with 4 warps,
+    # 64-token tiles and 3 stages, and 15.3 with 2 warps; 8k 2.00 against 2.07;
+    # bench/results/h200-cu130-torch2.11/tune_topn_seldq.csv).
+    one_warp = tma and not ieee and width <= 256 and G <= 16
+    if one_warp:
+        dq_bn = min(dq_bn, 32)
     dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
               N_SUB=triton.cdiv(block_sel, dq_bn), TMA=tma,
-              NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 3 if tma and width <= 256 else 2)
+              NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 2 if one_warp
+              else 3 if tma and width <= 256 else 2)
     if ieee or width > 384:
         kv_bn, rows = 32, min(DKDV_ROWS, 32)
     elif width > 256:
@@ -87,7 +95,7 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     n_sub = triton.cdiv(block_sel, kv_bn)
     red = dict(BLOCK_N=min(REDUCE_BLOCK_N, kv_bn), BLOCK_D=REDUCE_BLOCK_D)
     if device.type == "cuda":
-        dq.update(num_warps=8 if width > 256 or ieee else 4, num_stages=dq["NUM_STAGES"])
+        dq.update(num_warps=8 if width > 256 or ieee else 1 if one_warp else 4, num_stages=dq["NUM_STAGES"])
         dkdv.update(num_warps=4, num_stages=dkdv["NUM_STAGES"])
         red.update(num_warps=4)
     chunk = max(1, CHUNK_ROWS // max(G, 1))  # query tokens per work item

@@ -33,6 +33,11 @@ def triton_has_descriptors() -> bool:
     return Version(triton.__version__.split("+")[0]) >= MIN_TRITON
 
 
+@functools.cache
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def supported(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can be read through a descriptor: CUDA sm 9.0+, 16-bit, unit last stride, other
     strides and the base 16-byte aligned, and a Triton that has host-side descriptors."""
@@ -41,7 +46,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dim() != 4 or t.stride(-1) != 1:
             return False
-        if not FORCE and (not t.is_cuda or t.dtype not in DTYPES or torch.cuda.get_device_capability(t.device)[0] < 9):
+        if not FORCE and (not t.is_cuda or t.dtype not in DTYPES or _major(t.device) < 9):
             return False
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False

@@ -16,13 +16,15 @@ registers (no reduction across threads) and the chunk's keys are loaded once for
 block j overlaps compressed blocks j*R - C ... j*R + R - 1 (C = l/d - 1): its group (the R blocks starting
 inside j) and its tail (the C blocks before them, which reach into j). When C <= R (the paper's blocks:
 R = 4, C = 1) the tail of j is the end of j - 1's group, already in the tile: after the head loop the
-tails' sums move one column right through an exact fp32 dot with a shift matrix, and the chunk's first
-column takes the previous chunk's last (SHIFT_TAIL). Otherwise the tails have their own, smaller dot: a
-second key tile holds, per selection block of the chunk, its C tail blocks, so each head pays C/R more
-logits and exponentials. H200, G=16, D=128, 64k: 8.28 ms with the shift, 9.06 with the tail dot, 12.1 with
-the shift done by tl.gather. Only the chunks that reach past some token's last visible block pay for the
-causal mask (applied once to the head sums); tokens outside the current pass get an LSE of +inf, so their
-probabilities are 0 without one.
+tails' sums move one column right through a dot with a 0/1 shift matrix, and the chunk's first column
+takes the previous chunk's last (SHIFT_TAIL). The dot runs on tensor cores in three bf16 parts of the fp32
+sums (_shift_right: exact), where one fp32 dot on CUDA cores cost about a seventh of the kernel. Otherwise
+the tails have their own, smaller dot: a second key tile holds, per selection block of the chunk, its C
+tail blocks, so each head pays C/R more logits and exponentials. H200, G=16, D=128, 64k: 6.9 ms with the
+bf16 shift, 8.1 with an fp32 one, 9.06 with the tail dot, 12.1 with the shift done by tl.gather.
+Only the chunks that reach past some token's last visible block pay for the causal mask (applied once to the
+head sums); tokens outside the current pass get an LSE of +inf, so their probabilities are 0 without one.
+On Hopper the q tiles and (when R_PAD == R) the chunk's compressed keys come by TMA copies (tma.py).
 Every score is thus formed by the same operations in the same order, whatever the block's position:
 mathematically equal scores are bitwise equal, and ties go to the lower index as the semantics say.
 
@@ -44,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tma
+
 LOG2E = 1.4426950408889634
 MAX_KEEP = 64
 MAX_TAIL = 63  # tail blocks per selection block (block_cmp / stride_cmp - 1)
@@ -64,8 +68,32 @@ def _load_blocks(base, slot0, i_loc, i_hi, skn, u_ok, d_ok, EVEN_D: tl.constexpr
 
 
 @triton.jit
+def _bf16_parts(x):
+    """fp32 x as three bf16 parts, x == x1 + (x2 + x3) exactly for |x| >= 2**-110 (8 significant bits each,
+    and each residual is exact in fp32); smaller x lose low bits."""
+    x1 = x.to(tl.bfloat16)
+    r1 = x - x1.to(tl.float32)
+    x2 = r1.to(tl.bfloat16)
+    x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+    return x1, x2, x3
+
+
+@triton.jit
+def _shift_right(x, shift_m, SPLIT: tl.constexpr):
+    """x @ shift_m for fp32 x and a 0/1 fp32 shift_m, exactly: each output is one product by 1 plus products
+    by 0. SPLIT: on tensor cores, one bf16 dot per part of _bf16_parts added back as m1 + (m2 + m3) (m2 + m3
+    is the first residual, exact); otherwise one fp32 dot on CUDA cores (Triton's interpreter, whose bf16
+    dots are not faithful)."""
+    if SPLIT:
+        x1, x2, x3 = _bf16_parts(x)
+        sm = shift_m.to(tl.bfloat16)
+        return tl.dot(x1, sm) + (tl.dot(x2, sm) + tl.dot(x3, sm))
+    return tl.dot(x, shift_m, input_precision="ieee")
+
+
+@triton.jit
 def _topn_kernel(
-    Q, KC, LSE, SS, SC0, IDX,
+    Q, KC, QD, KCD, LSE, SS, SC0, IDX,
     sqb, sqt, sqh, sqd,
     skb, skn, skh, skd,
     slb, slt, slh,
@@ -78,7 +106,8 @@ def _topn_kernel(
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     KEEP: tl.constexpr, HEAD_STAGES: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    SHIFT_TAIL: tl.constexpr,
+    SHIFT_TAIL: tl.constexpr, TMA_Q: tl.constexpr = False, TMA_KC: tl.constexpr = False,
+    SHIFT_BF16: tl.constexpr = True,
 ):
     # KEEP: slots of the kept list (n_sel of them live)
     DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
@@ -115,8 +144,7 @@ def _topn_kernel(
     c_e = ee % C_PAD
     u3 = tl.arange(0, R_PAD)[None, None, :]
     jj2 = tl.arange(0, BLOCK_J)[None, :]
-    # SHIFT_TAIL: x @ shift_m moves column j - 1 of x to column j. Exact for finite x in any summation order:
-    # each output is one product by 1 plus products by 0.
+    # SHIFT_TAIL: x @ shift_m moves column j - 1 of x to column j (_shift_right).
     shift_m = (tl.arange(0, BLOCK_J)[None, :] == tl.arange(0, BLOCK_J)[:, None] + 1).to(tl.float32)
 
     # The kept keys of each token, unsorted: n_sel live slots (filled with distinct negative sentinels) and
@@ -124,7 +152,7 @@ def _topn_kernel(
     slot = tl.arange(0, KEEP)[None, :]
     top = tl.where(slot < n_sel, -(1 << 40) - slot.to(tl.int64), DEAD) + tl.zeros([BLOCK_T, KEEP], tl.int64)
     done = ~tok_ok
-    low = tl.full([BLOCK_T, BLOCK_J], -(1 << 42), tl.int64)  # non-candidate keys of this pass start here
+    low = tl.full((), -(1 << 42), tl.int64)  # non-candidate keys of this pass start here (a scalar)
     for _ in range(BLOCK_T):  # one pass per sequence present in the tile (one for dense input)
         if tl.min(done.to(tl.int32), axis=0) == 0:
             cur = tl.min(tl.where(done, 2147483647, slot0_tok), axis=0)
@@ -140,7 +168,11 @@ def _topn_kernel(
             carry = tl.zeros([BLOCK_T], tl.float32)  # SHIFT_TAIL: the previous chunk's last tail sum
             for j0 in range(0, j_hi + 1, BLOCK_J):
                 i_loc = (j0 + jj_c) * R + u_c
-                kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
+                if TMA_KC:  # R_PAD == R: the chunk's blocks are consecutive slots. Slots past i_hi hold later
+                    # blocks (or zeros past the end), whose probabilities the causal mask below zeroes.
+                    kc = tl.reshape(KCD.load([b.to(tl.int32), cur + j0 * R, h.to(tl.int32), 0]), [BLOCK_C, BLOCK_D])
+                else:
+                    kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
                 i_tail = (j0 + jj_e) * R - C + c_e
                 tail_ok = (c_e < C) & (i_tail >= 0)
                 if C > 0 and not SHIFT_TAIL:
@@ -150,13 +182,17 @@ def _topn_kernel(
                 pt = tl.zeros([BLOCK_T, BLOCK_TAIL], tl.float32)
                 # Pointers step one head at a time: a head stride times g may pass 2**31 (a transposed q).
                 q_ptr, lse_ptr = q_base, lse_base
-                for _g in tl.range(0, G, num_stages=HEAD_STAGES):
-                    if EVEN_D:  # no column mask: vectorized loads
+                for g in tl.range(0, G, num_stages=HEAD_STAGES):
+                    if TMA_Q:  # one copy into shared memory: no [BLOCK_T, BLOCK_D] pointer tile in registers
+                        qg = tl.reshape(QD.load([b.to(tl.int32), tile * BLOCK_T, (h * G + g).to(tl.int32), 0]),
+                                        [BLOCK_T, BLOCK_D])
+                    elif EVEN_D:  # no column mask: vectorized loads
                         qg = tl.load(q_ptr, mask=tok_ok[:, None], other=0.0)
                     else:
                         qg = tl.load(q_ptr, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
                     lse_g = tl.load(lse_ptr, mask=tok_ok, other=float("-inf"))
-                    q_ptr += sqh
+                    if not TMA_Q:
+                        q_ptr += sqh
                     lse_ptr += slh
                     # Tokens outside the pass, or seeing nothing, get +inf: probabilities 0 without a mask.
                     lse2p = tl.where(in_pass & (lse_g > float("-inf")), lse_g * 1.4426950408889634, float("inf"))
@@ -180,7 +216,7 @@ def _topn_kernel(
                     # The tail of j is the last C blocks of j - 1's group: their sum moves one column right,
                     # the chunk's first column takes the previous chunk's last.
                     tails = tl.sum(tl.where(u3 >= R - C, p3, 0.0), axis=2)
-                    moved = tl.dot(tails, shift_m, input_precision="ieee")
+                    moved = _shift_right(tails, shift_m, SHIFT_BF16)
                     score += tl.where(jj2 == 0, carry[:, None], moved)
                     carry = tl.sum(tl.where(jj2 == BLOCK_J - 1, tails, 0.0), axis=1)
                 elif C > 0:
@@ -219,6 +255,11 @@ def _topn_kernel(
              mask=tok_ok[:, None] & (col < n_sel))
 
 
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module loaded)."""
+    return "Interpreted" in type(_topn_kernel).__name__
+
+
 def unsupported(cfg) -> str | None:
     """Why the kernel cannot run this configuration (None when it can)."""
     if cfg.n_sel > MAX_KEEP:
@@ -251,9 +292,12 @@ def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     allow it. H100, G=16, D=128, bf16, 64k, tails by their own dot: 64 tokens x 128 blocks with 3 stages
     took 8.9 ms; 64 x 128 with 2 stages 9.9 ms, 64 x 256 9.7-25 ms, 64 x 64 12.7-20 ms, 128-token tiles
     11.2-62 ms (bench/results/h100-cu130-torch2.11/tune_topn.csv; bench/tune_kernels.py runs the same grid).
-    The shift's dot grows with the chunk: on an H200 at 64k, 64 x 128 with 3 stages took 8.28 ms shifted
-    against 9.06, but 64 x 256 with 8 warps 15.5 against 9.9. Wide heads keep the shared memory of the
-    pipelined q tiles in bounds; fp32 (IEEE dots on CUDA cores) takes smaller tiles."""
+    The shift's dot grows with the chunk: on an H200 at 64k, 64 x 128 with 3 stages took 8.28 ms shifted (an
+    fp32 dot) against 9.06, but 64 x 256 with 8 warps 15.5 against 9.9. With the shift on tensor cores and
+    TMA copies, 64 x 128 with 3 stages takes 6.84 ms; 4 stages 6.96, pointer loads 7.25, 64 x 64 9.3,
+    128 x 64 9.0, 64 x 256 9.5 (bench/results/h200-cu130-torch2.11/tune_topn_seldq.csv). Wide heads keep
+    the shared memory of the pipelined q tiles in bounds; fp32 (IEEE dots on CUDA cores) takes smaller
+    tiles."""
     if dtype == torch.float32:
         return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4, "SHIFT_TAIL": False}
     if D > 128:  # D=192 (padded to 256), 64k: 15.5 ms; 64 x 128 x 3 stages 16.3 ms; 64 x 64 24.5 ms
@@ -281,14 +325,24 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     # The shift's dot needs 16 rows and columns.
     shift = meta.pop("SHIFT_TAIL", False) and shifts_tail(cfg) and block_j >= 16 and meta["BLOCK_T"] >= 16
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])
+    block_d = max(16, _np2(Dk))
+    # TMA copies of the q tiles (and of the chunk's compressed keys when its blocks are consecutive slots):
+    # no pointer tiles in registers (ncu, H200, 64k: the pointer form used 255 registers and spilled).
+    even = block_d == Dk and q.dtype != torch.float32
+    use_q = meta.pop("TMA_Q", None)
+    use_q = even and tma.supported(q) if use_q is None else use_q
+    use_kc = meta.pop("TMA_KC", None)
+    use_kc = use_q and r_pad == r and tma.supported(k_cmp) if use_kc is None else use_kc
+    qd = tma.tile_descriptor(q, meta["BLOCK_T"], block_d, "topn") if use_q else q
+    kcd = tma.tile_descriptor(k_cmp, block_j * r_pad, block_d, "topn") if use_kc else k_cmp
     _topn_kernel[(n_tiles, B * Hkv)](
-        q, k_cmp, lse, seq_start, cmp_slot0, idx,
+        q, k_cmp, qd, kcd, lse, seq_start, cmp_slot0, idx,
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
         R=r, C=c, C_PAD=c_pad, STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
-        BLOCK_D=max(16, _np2(Dk)), R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
+        BLOCK_D=block_d, R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
         EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32, SHIFT_TAIL=shift,
-        num_warps=warps, **meta,
+        TMA_Q=use_q, TMA_KC=use_kc, SHIFT_BF16=not _interpreted(), num_warps=warps, **meta,
     )
     return idx
 

@@ -16,24 +16,13 @@ Skipped with the reason when triton does not import.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
-# Triton picks interpreter or compiler when a kernel is decorated: set it before the kernel module loads.
-if "nsa.kernels.triton.decode" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from nsa.kernels.triton import decode as kd
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"nsa.kernels.triton.decode does not import: {e}", allow_module_level=True)
-if "Interpreted" not in type(kd._append_kernel).__name__:
-    pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+from .interp import kernel_modules
+
+(kd,) = kernel_modules("decode", probe="decode._append_kernel")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -10,29 +10,21 @@ poisoned (NaN) before the kernels run, so an element no kernel writes fails the 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import sys
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (the CPU lock pins it)", allow_module_level=True)
-# Triton picks interpreter or compiler when a kernel is decorated: set it before the kernel modules load.
-if "nsa.kernels.triton.selection_bwd" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+from .interp import kernel_modules
+
+reverse_index, selection_bwd = kernel_modules("reverse_index", "selection_bwd",
+                                              probe="selection_bwd._sel_bwd_dq_kernel")
 
 from nsa import NSAConfig, nsa_reference  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
-from nsa.kernels.triton import reverse_index, selection_bwd  # noqa: E402
 from nsa.kernels.triton.selection import sel_forward, selected_attention_triton  # noqa: E402
 
 from .test_triton_sel_interp import inputs, random_indices, selected_attention_torch  # noqa: E402
-
-if "Interpreted" not in type(selection_bwd._sel_bwd_dq_kernel).__name__:
-    pytest.skip("the kernel modules were loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
 
 TOL = 1e-5  # fp32 kernel vs fp64: max |got - want| / max(1, max |want|)
 

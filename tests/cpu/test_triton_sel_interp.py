@@ -8,30 +8,16 @@ the routing (guards, toggles, telemetry). Skipped with the reason when triton do
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
-# Triton picks interpreter or compiler when a kernel is decorated: set it before the kernel module loads.
-if "nsa.kernels.triton.selection" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from nsa.kernels.triton import selection, tma
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"nsa.kernels.triton.selection does not import: {e}", allow_module_level=True)
-if "Interpreted" not in type(selection.selection_bwd._sel_bwd_dq_kernel).__name__:
-    pytest.skip("the kernel module was loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+from .interp import kernel_modules
 
-from nsa import (
-    plan,  # noqa: E402
-    telemetry,  # noqa: E402
-)
+selection, tma = kernel_modules("selection", "tma", probe="selection_bwd._sel_bwd_dq_kernel")
+
+from nsa import plan, telemetry  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
 from nsa.config import NSAConfig  # noqa: E402
 from nsa.functional import nsa_attention  # noqa: E402

@@ -5,23 +5,12 @@ suite covers bf16)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (the CPU lock pins triton 3.7.1)", allow_module_level=True)
-if not any(m.startswith("nsa.kernels.triton.") for m in sys.modules):
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules load
-try:
-    from nsa.kernels.triton import tma, window
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"the Triton kernels do not import: {e}", allow_module_level=True)
-if "Interpreted" not in type(window._window_fwd_kernel).__name__:
-    pytest.skip("the kernel modules were loaded without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+from .interp import kernel_modules
+
+tma, window = kernel_modules("tma", "window", probe="window._window_fwd_kernel")
 
 from nsa import NSAConfig, nsa_attention, plan, telemetry  # noqa: E402
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import tma
+from .combine import _gates, _segment_off
 
 LOG2E = 1.4426950408889634
 
@@ -42,19 +43,14 @@ def _np2(x: int) -> int:
 @triton.jit
 def _combine_row(o, GT, A, A2, W, OUT, b, t, heads, rd, g_ok, gd_ok, a_lo, a_hi, a2_hi, sg0, sg1, sg2, sg3,
                  sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, s0, s1, s2, s3):
-    """The gate combine of one token's heads (nsa.kernels.triton.combine, same arithmetic: fp32 on the
+    """The gate combine of one token's heads, with the combine kernel's helpers and arithmetic (fp32 on the
     branch outputs in their stored dtype): out = g_cmp * o_cmp + g_sel * o + g_win * o_win, with o_cmp in
     two token segments [a_lo, a_hi) and [a_hi, a2_hi) (0 outside); OUT and W have o's strides (s0..s3)."""
-    gp = GT + b * sg0 + t * sg1 + heads * sg2
-    g0 = tl.load(gp, mask=g_ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(gp + sg3, mask=g_ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(gp + 2 * sg3, mask=g_ok, other=0.0).to(tl.float32)[:, None]
-    in1 = (t >= a_lo) & (t < a_hi)
-    in2 = (t >= a_hi) & (t < a2_hi)
-    a = tl.load(A + b * sa0 + tl.where(in1, t - a_lo, 0) * sa1 + heads[:, None] * sa2 + rd[None, :] * sa3,
-                mask=gd_ok & in1, other=0.0).to(tl.float32)
-    a += tl.load(A2 + b * sb0 + tl.where(in2, t - a_hi, 0) * sb1 + heads[:, None] * sb2 + rd[None, :] * sb3,
-                 mask=gd_ok & in2, other=0.0).to(tl.float32)
+    g0, g1, g2 = _gates(GT, b, t, heads, g_ok, sg0, sg1, sg2, sg3)
+    off, in1 = _segment_off(b, t, heads, a_lo, a_hi, sa0, sa1, sa2)
+    a = tl.load(A + off[:, None] + rd[None, :] * sa3, mask=gd_ok & in1, other=0.0).to(tl.float32)
+    off, in2 = _segment_off(b, t, heads, a_hi, a2_hi, sb0, sb1, sb2)
+    a += tl.load(A2 + off[:, None] + rd[None, :] * sb3, mask=gd_ok & in2, other=0.0).to(tl.float32)
     w = tl.load(W + b * s0 + t * s1 + heads[:, None] * s2 + rd[None, :] * s3, mask=gd_ok, other=0.0)
     out = g0 * a + g1 * o.to(tl.float32) + g2 * w.to(tl.float32)
     tl.store(OUT + b * s0 + t * s1 + heads[:, None] * s2 + rd[None, :] * s3, out.to(OUT.dtype.element_ty),

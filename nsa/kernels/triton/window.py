@@ -56,16 +56,22 @@ def _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, lo, hi, rm, rn, qk_scale, le
 
 
 @triton.jit
-def _window_fwd_kernel(QD, KD, VD, O, LSE, sob, sot, soh, slb, slh, T, Hq, G, left, qk_scale,
-                       BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+def _query_tile(QD, Hq, G, BM: tl.constexpr, D: tl.constexpr):
+    """This program's query tile (grid: batch x query head, tiles of BM queries): b, h, its KV head, the
+    first query m0, the rows rm and the q tile."""
     pid_bh = tl.program_id(0)
     b = pid_bh // Hq
     h = pid_bh % Hq
-    hk = h // G
     m0 = tl.program_id(1) * BM
-    rm = m0 + tl.arange(0, BM)
-    rn = tl.arange(0, BN)
     q = tl.reshape(QD.load([b, m0, h, 0]), [BM, D])
+    return b, h, h // G, m0, m0 + tl.arange(0, BM), q
+
+
+@triton.jit
+def _window_fwd_kernel(QD, KD, VD, O, LSE, sob, sot, soh, slb, slh, T, Hq, G, left, qk_scale,
+                       BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+    b, h, hk, m0, rm, q = _query_tile(QD, Hq, G, BM, D)
+    rn = tl.arange(0, BN)
     m_i = tl.full([BM], -1.0e30, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -131,9 +137,6 @@ def window_forward(q, k, v, window: int, scale: float, config: dict | None = Non
     return o, lse
 
 
-
-
-
 # --- backward ----------------------------------------------------------------------------------------------
 
 
@@ -194,14 +197,8 @@ def _window_dkdv_kernel(QD, KD, VD, DOD, LSE, DELTA, DK, DV, sdb, sdt, sdh, T, H
 def _window_dq_kernel(QD, KD, VD, DOD, LSE, DELTA, DQ, sqb, sqt, sqh, T, Hq, G, left, qk_scale, sm_scale,
                       BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
     """dQ of one query tile of one head: the key tiles of its window, as the forward walks them."""
-    pid_bh = tl.program_id(0)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // G
-    m0 = tl.program_id(1) * BM
-    rm = m0 + tl.arange(0, BM)
+    b, h, hk, m0, rm, q = _query_tile(QD, Hq, G, BM, D)
     row = (b * Hq + h).to(tl.int64) * T
-    q = tl.reshape(QD.load([b, m0, h, 0]), [BM, D])
     do = tl.reshape(DOD.load([b, m0, h, 0]), [BM, D])
     lse2 = tl.load(LSE + row + rm, mask=rm < T, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + row + rm, mask=rm < T, other=0.0)

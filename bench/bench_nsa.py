@@ -192,7 +192,7 @@ def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
         from nsa.kernels.triton.combine import Segments
         from nsa.kernels.triton.selection import sel_forward
 
-        ss = layout.seq_start.to(torch.int32)
+        ss = layout.seq_start_i32
         fused = (gates.detach(), Segments.whole(o_cmp.detach()), o_win.detach())
         steps["sel+combine"] = (lambda: sel_forward(q.detach(), k.detach(), v.detach(), idx, ss, cfg.block_sel, scale,
                                                     combine=fused), None)

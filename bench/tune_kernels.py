@@ -71,7 +71,7 @@ def sweep(T, args, kernels):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         dense = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True), args.rep)[0]
     G = args.Hq // args.Hkv
-    ss = layout.seq_start.to(torch.int32)
+    ss = layout.seq_start_i32
 
     def topn(conf=None):
         return topn_triton(q, kc, lse, layout.seq_start, layout.cmp_slot0, cfg, scale, config=conf)

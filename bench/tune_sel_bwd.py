@@ -47,7 +47,7 @@ def main(argv=None):
     kc, vc = compress_kv(k, v, layout, cfg)
     _, lse_c = p.cmp.fn(q, kc, vc, layout, cfg, scale)
     idx = p.topn.fn(q, kc, lse_c, layout, cfg, scale)
-    ss = layout.seq_start.to(torch.int32)
+    ss = layout.seq_start_i32
     o, lse = sel_forward(q, k, v, idx, ss, cfg.block_sel, scale)
     do = torch.randn_like(o)
 

@@ -19,6 +19,8 @@ from collections import Counter
 import torch
 from packaging.version import Version
 
+from ..device import device_capability
+
 ENABLED = True  # False: pointer loads everywhere (GPU tests compare both paths)
 FORCE = False  # True: descriptors on any device and dtype (Triton's interpreter runs them on CPU tensors)
 USED: Counter = Counter()  # descriptors made per kernel: tests check which path ran
@@ -33,11 +35,6 @@ def triton_has_descriptors() -> bool:
     return Version(triton.__version__.split("+")[0]) >= MIN_TRITON
 
 
-@functools.cache
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def supported(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can be read through a descriptor: CUDA sm 9.0+, 16-bit, unit last stride, other
     strides and the base 16-byte aligned, and a Triton that has host-side descriptors."""
@@ -46,7 +43,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dim() != 4 or t.stride(-1) != 1:
             return False
-        if not FORCE and (not t.is_cuda or t.dtype not in DTYPES or _major(t.device) < 9):
+        if not FORCE and (not t.is_cuda or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
             return False
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False

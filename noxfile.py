@@ -16,7 +16,7 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from ci.install import install_cell  # noqa: E402  (the checkout's ci/ package, found through sys.path)
+from ci.sessions.install import install_cell  # noqa: E402  (the checkout's ci/ package, found through sys.path)
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "cpu_smoke"]
@@ -69,11 +69,11 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def rehearse(session: nox.Session) -> None:
     """Run ci.yml's CPU jobs' steps locally with `act` on this host as on a runner that reaches only package
-    indexes (ci/rehearse.py says which jobs and how; docs/runners.md). `act` comes from
+    indexes (ci/sessions/rehearse.py says which jobs and how; docs/runners.md). `act` comes from
     requirements/locks/lint.txt. Args: job ids (default: tests smoke)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
-    session.run("python", "-m", "ci.rehearse", *session.posargs)
+    session.run("python", "-m", "ci.sessions.rehearse", *session.posargs)
 
 
 @nox.session(python=False)
@@ -94,7 +94,7 @@ def images(session: nox.Session) -> None:
         session.run(sys.executable, "-m", "ci.images", "build", *args, external=True)
 
 
-# --- GPU suites (ci/gpu_sessions.py; docs/gpu-suites.md) -------------------------------------------------
+# --- GPU suites (ci/sessions/gpu.py; docs/gpu-suites.md) -------------------------------------------------
 # One session definition for the four suites. Each fails on a machine with no GPU unless `-- --skip-no-gpu`
 # (or NSA_SKIP_NO_GPU=1) and writes artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json,
 # junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench.
@@ -108,7 +108,7 @@ GPU_SUITES = {
 
 def _gpu_session(suite: str, doc: str) -> None:
     def session_fn(session: nox.Session) -> None:
-        from ci.gpu_sessions import nox_entry
+        from ci.sessions.gpu import nox_entry
 
         nox_entry(session, suite)
 
@@ -123,4 +123,4 @@ for _suite, _doc in GPU_SUITES.items():
 @nox.session(venv_backend="none")
 def publish(session: nox.Session) -> None:
     """Merge artifacts/**/known_good.json (or `-- FILES/DIRS`) into KNOWN_GOOD.md and known_good.json."""
-    session.run(sys.executable, "-m", "ci.known_good", *session.posargs, external=True)
+    session.run(sys.executable, "-m", "ci.evidence.known_good", *session.posargs, external=True)

@@ -76,7 +76,7 @@ mkdir -p "${out}"
 in_image() { "$DOCKER" run --rm --network none -e NSA_ENV_REPORT=0 "$@"; }
 
 # build CELL SUITE [ci.images options]: base image, wheelhouse, offline build, label and installed-set checks.
-# Sets $image. The cell's own package index is served locally (ci.quickstart --mirror) where it has one.
+# Sets $image. The cell's own package index is served locally (ci.sessions.quickstart --mirror) where it has one.
 build() {
   local cell=$1 suite=$2; shift 2
   local base="nsa-base:${suite}" start
@@ -85,7 +85,7 @@ build() {
   WORKDIR=${tmp} bash docker/make_base.sh "${base}" "${suite}"
   step "${cell}: wheelhouse"
   # (pip warns about every configured index that lacks a package; those lines are dropped)
-  "$py" -m ci.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" "$@" --dest docker/wheelhouse \
+  "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" "$@" --dest docker/wheelhouse \
     2>&1 | grep -v "is ignored: it is neither" || fail "wheelhouse"
   step "${cell}: build offline ($*)"
   start=$(date +%s)
@@ -122,7 +122,7 @@ for kind in "${kinds[@]}"; do
       [ "${size}" -le 1500000000 ] || fail "the CPU image is ${size} bytes, above 1.5 GB"
       step "${cell}: rebuild from the same lock with the cache"
       in_image "${image}" python -m pip freeze --all > "${tmp}/freeze1.txt"
-      "$py" -m ci.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" --dest docker/wheelhouse \
+      "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" --dest docker/wheelhouse \
         2>&1 | grep -v "is ignored: it is neither" || fail "wheelhouse"
       "$py" -m ci.images build "${cell}" "${args[@]}" > "${tmp}/rebuild.log" 2>&1 \
         || { tail -n 40 "${tmp}/rebuild.log" >&2; fail "second image build"; }

@@ -1,6 +1,6 @@
 """Upstream facts shipped with nsa (nsa/upstream.json) and the questions `nsa.env` asks of them.
 
-The file is generated from requirements/matrix.toml (`python -m ci.doctor_facts --write`; a CPU test fails
+The file is generated from requirements/matrix.toml (`python -m ci.matrix.facts --write`; a CPU test fails
 when it is stale), so an installed nsa answers without a checkout: the triton each torch pins, which
 flash-attn release wheels exist and the glibc they need, the oldest driver per CUDA major, what a
 flash-attn source build needs. Versions and pins are compared with `packaging`: torch pins triton exactly

@@ -1,11 +1,11 @@
-"""ci/artifacts.py: the run directory, JUnit parsing, suite status, summary rendering, known_good.json."""
+"""ci/evidence/artifacts.py: the run directory, JUnit parsing, suite status, summary rendering, known_good.json."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from ci import artifacts as A
+from ci.evidence import artifacts as A
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="gpu_parity" tests="4">
 <testcase classname="t.a" name="ok1" time="0.1"/><testcase classname="t.a" name="ok2" time="0.1"/>

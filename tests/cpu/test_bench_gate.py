@@ -1,5 +1,5 @@
-"""ci/bench_gate.py + ci/bench_headline.py + ci/slowdown.py: the gate passes within its allowance, fails
-beyond it, and a deliberately slowed path (NSA_TEST_SLOWDOWN) makes it fail."""
+"""ci/evidence/bench_gate.py, bench_headline.py and slowdown.py: the gate passes within its allowance,
+fails beyond it, and a deliberately slowed path (NSA_TEST_SLOWDOWN) makes it fail."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from ci import bench_gate as G
-from ci import bench_headline as H
-from ci import slowdown
+from ci.evidence import bench_gate as G
+from ci.evidence import bench_headline as H
+from ci.evidence import slowdown
 
 BASE = {"schema": G.SCHEMA, "policy": {"allowance": 0.10},
         "classes": {"h200": {"figures": {

@@ -13,8 +13,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ci import doctor_facts
 from ci import matrix as mx
+from ci.matrix import facts as doctor_facts
 from ci.matrix import tomllib  # tomli on Python 3.10
 from nsa import upstream
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_shipped_facts_match_the_matrix():
     shipped = (ROOT / "nsa" / upstream.FACTS_FILE).read_text()
     assert shipped == doctor_facts.render(doctor_facts.build(mx.load())), (
-        "nsa/upstream.json is stale: run `python -m ci.doctor_facts --write` and commit it"
+        "nsa/upstream.json is stale: run `python -m ci.matrix.facts --write` and commit it"
     )
 
 

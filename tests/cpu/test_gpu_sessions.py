@@ -1,4 +1,4 @@
-"""The GPU sessions' logic (ci/gpu_sessions.py) and the per-GPU xdist pinning, without a GPU and without nox."""
+"""The GPU sessions' logic (ci/sessions/gpu.py) and the per-GPU xdist pinning, without a GPU and without nox."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ci import artifacts as A
-from ci import gpu_sessions as S
-from ci import gpu_split
+from ci.evidence import artifacts as A
+from ci.sessions import gpu as S
+from ci.sessions import gpu_split
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = {"count": 0, "torch": "2.13.0+cpu", "cuda": None, "names": []}
@@ -128,7 +128,7 @@ def test_xdist_one_worker_per_gpu_each_pinned(tmp_path):
     # A fresh controller: none of this (possibly xdist-worker) process's pinning variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "NSA_GPU_"))}
     env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="5,7")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "ci.gpu_split", "-n", "auto", "-p",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "ci.sessions.gpu_split", "-n", "auto", "-p",
                         "no:cacheprovider", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,4 +1,4 @@
-"""ci/known_good.py: merging runs' known_good.json into KNOWN_GOOD.md / known_good.json."""
+"""ci/evidence/known_good.py: merging runs' known_good.json into KNOWN_GOOD.md / known_good.json."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ci import artifacts as A
-from ci import known_good as K
+from ci.evidence import artifacts as A
+from ci.evidence import known_good as K
 
 AS_LOCKED = {"matching": 55, "missing": 0, "wrong_version": 0, "extra": 3}
 

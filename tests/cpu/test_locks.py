@@ -155,8 +155,10 @@ def test_compile_cell_refuses_a_torch_wheel_with_another_hash(req: Path, tmp_pat
 
 
 def test_cli_check_and_unknown_target(capsys):
-    assert locks.main(["--check", CPU]) == 0
-    assert locks.main(["--check", "nope"]) == 2
+    from ci.locks.__main__ import main
+
+    assert main(["--check", CPU]) == 0
+    assert main(["--check", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
 
 

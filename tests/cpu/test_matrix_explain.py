@@ -1,5 +1,5 @@
 """`python -m ci.matrix show CELL` says why a cell is what it is, and `python -m ci.matrix table` is the
-table README.md and docs/environments.md carry (ci/matrix_explain.py)."""
+table README.md and docs/environments.md carry (ci/matrix/explain.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import re
 import pytest
 
 from ci import matrix as mx
-from ci import matrix_explain as X
+from ci.matrix.__main__ import main as mx_main
+from ci.matrix import explain as X
 
 pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
@@ -130,10 +131,10 @@ def test_why_a_cell_from_pytorchs_cuda_index(data):
 
 
 def test_show_prints_why(capsys):
-    assert mx.main(["show", "cu132-torch2.15-py315"]) == 0
+    assert mx_main(["show", "cu132-torch2.15-py315"]) == 0
     out = capsys.readouterr().out
     assert "\nwhy:\n" in out and "  triton       torch 2.15.0's metadata requires triton~=3.9.0" in out
-    assert mx.main(["show", "cu132-torch2.15-py315", "--json"]) == 0
+    assert mx_main(["show", "cu132-torch2.15-py315", "--json"]) == 0
     why = json.loads(capsys.readouterr().out)["why"]
     assert set(why) == {"python", "cuda", "triton", "flash_attn", "gpu_archs", "driver", "images"}
-    assert mx.main(["table"]) == 0 and capsys.readouterr().out.startswith(X.TABLE_HEADER)
+    assert mx_main(["table"]) == 0 and capsys.readouterr().out.startswith(X.TABLE_HEADER)

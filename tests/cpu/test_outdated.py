@@ -1,5 +1,5 @@
-"""`nox -s lock -- --outdated` (ci/outdated.py), offline: PyPI's answers are the documents recorded in
-tests/cpu/data/pypi/ (`python -m ci.outdated --record tests/cpu/data/pypi`, trimmed to what the module
+"""`nox -s lock -- --outdated` (ci/matrix/outdated.py), offline: PyPI's answers are the documents recorded in
+tests/cpu/data/pypi/ (`python -m ci.matrix.outdated --record tests/cpu/data/pypi`, trimmed to what the module
 reads); the network is blocked for every test here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ci import matrix as mx
-from ci import outdated as O
+from ci.matrix import outdated as O
 
 RECORDED = Path(__file__).parent / "data" / "pypi"
 
@@ -20,7 +20,7 @@ RECORDED = Path(__file__).parent / "data" / "pypi"
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch):
     def refuse(*a, **kw):
-        raise AssertionError("ci.outdated tests must not reach the network")
+        raise AssertionError("ci.matrix.outdated tests must not reach the network")
 
     monkeypatch.setattr(O.urllib.request, "urlopen", refuse)
 
@@ -126,8 +126,8 @@ def test_recording_trims_to_what_the_module_reads(tmp_path, pypi):
 
 
 def test_lock_session_runs_it(monkeypatch):
-    from ci import locks
+    from ci.locks.__main__ import main
 
     seen = []
     monkeypatch.setattr(O, "main", lambda argv: seen.append(argv) or 0)
-    assert locks.main(["--outdated"]) == 0 and seen == [["--matrix", str(mx.DEFAULT_PATH)]]
+    assert main(["--outdated"]) == 0 and seen == [["--matrix", str(mx.DEFAULT_PATH)]]

@@ -1,7 +1,7 @@
-"""The Quick start's cell choice and the GPU sessions' flash-attn install (ci/install.py), and the Quick
-start's local package index (ci/quickstart.py).
+"""The Quick start's cell choice and the GPU sessions' flash-attn install (ci/sessions/install.py), and the Quick
+start's local package index (ci/sessions/quickstart.py).
 
-The Quick start itself, run in a fresh clone with no pip configuration, is `python -m ci.quickstart`
+The Quick start itself, run in a fresh clone with no pip configuration, is `python -m ci.sessions.quickstart`
 (.ci/run runs it for Python 3.11 with the library install and examples, then 3.12, 3.13 and 3.10).
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ci import quickstart as Q
-from ci.install import CellChoiceError, choose_cell, install_flash_attn, pip_args
 from ci.matrix import load
+from ci.sessions import quickstart as Q
+from ci.sessions.install import CellChoiceError, choose_cell, install_flash_attn, pip_args
 
 pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 

@@ -130,9 +130,9 @@ def test_images_workflow_builds_with_the_plans_build_args_only():
 
 
 def test_every_lock_install_passes_its_cells_index():
-    """Workflows install cell locks only through nox sessions (ci/install.py adds the cell's index) or the
+    """Workflows install cell locks only through nox sessions (ci/sessions/install.py adds the cell's index) or the
     Docker build (build arg TORCH_INDEX_URL); a direct `pip install -r <cell lock>` must carry an index."""
-    from ci.install import pip_args
+    from ci.sessions.install import pip_args
 
     m = load()
     for cell in m.cells:
@@ -417,7 +417,7 @@ def test_lint_cli_exit_code(tmp_path):
 
 def test_rehearsal_copy_keeps_every_run_step_and_drops_remote_setup_actions():
     need_yaml()
-    from ci import rehearse
+    from ci.sessions import rehearse
 
     doc = lint._load_yaml(WORKFLOWS / "ci.yml")
     out = rehearse.offline_copy(doc, ["lint", "tests"])

@@ -2,7 +2,7 @@
 
 Load it either way (both may be active; it is idempotent):
   - from tests/gpu/conftest.py:  `from ._pinning import pytest_xdist_auto_num_workers  # noqa: F401`
-  - on the command line:         `python -m pytest -p ci.gpu_split tests/gpu -n auto`  (the nox sessions do this)
+  - on the command line:         `python -m pytest -p ci.sessions.gpu_split tests/gpu -n auto` (the nox sessions)
 
 Visible GPUs: NSA_GPU_LIST, else CUDA_VISIBLE_DEVICES, else every GPU `nvidia-smi` lists (torch as a
 last resort, in the controller only). In the controller `-n auto` becomes one worker per GPU

@@ -12,7 +12,7 @@ by one or together gives the same tree:
     telemetry.json            nsa.telemetry counters of the routing probe (which backend served each branch)
     bench-*.csv (+ .json)     bench outputs with their environment sidecars; bench-headline.json; gate.json
     summary.md                the seeds' reporting template, filled in
-    known_good.json           what ci/known_good.py merges into KNOWN_GOOD.md
+    known_good.json           what ci/evidence/known_good.py merges into KNOWN_GOOD.md
     README.md                 index of this directory
     state.json                the record everything above is rendered from
 """
@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATE_SCHEMA = "nsa-run/1"
 KG_SCHEMA = "nsa-known-good/1"
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -409,7 +409,7 @@ FILE_HELP = {
     "summary.md": "the report in the seeds' template",
     "known_good.json": "this run's entry for KNOWN_GOOD.md (`nox -s publish`)",
     "state.json": "the record summary.md and known_good.json are rendered from",
-    "bench-headline.json": "headline figures (ci/bench_headline.py), medians over repeats",
+    "bench-headline.json": "headline figures (ci/evidence/bench_headline.py), medians over repeats",
     "gate.json": "headline figures vs bench/baselines.json",
     "README.md": "this index",
 }

@@ -3,7 +3,7 @@
     python -m ci.locks                    # relock every cell, requirements/bootstrap.txt and locks/tools.txt
     python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools")
     python -m ci.locks --check            # offline: fail when any lock is stale or malformed
-    python -m ci.locks --outdated         # ask PyPI what is newer than the matrix (ci/outdated.py)
+    python -m ci.locks --outdated         # ask PyPI what is newer than the matrix (ci/matrix/outdated.py)
     (`nox -s lock`, `nox -s lock -- --check` and `nox -s lock -- --outdated` run exactly these.)
 
 How a cell lock is made: `uv pip compile` cross-resolves the cell's layers (requirements/<layer>.in,
@@ -28,7 +28,6 @@ PIP_FIND_LINKS) where that index is out of reach. The wheel's sha256 must equal 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -38,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -46,7 +44,7 @@ from urllib.parse import unquote
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from ci.matrix import DEFAULT_PATH, Cell, Matrix, MatrixError, load
+from ci.matrix import Cell, Matrix
 
 LOCK_FORMAT = 1
 UNIVERSAL_PYTHON = "3.10"  # bootstrap and tools locks resolve for every Python from this one up
@@ -495,63 +493,3 @@ def check_flash_lock(matrix: Matrix, cell: Cell) -> list[str]:
     if not path.exists() or path.read_text() != want:
         return [f"{path.name} is {'missing' if not path.exists() else 'stale'}: run `nox -s lock -- {cell.id}`"]
     return []
-
-
-# --- CLI ---------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ci.locks", description=__doc__.split("\n\n")[0])
-    ap.add_argument("targets", nargs="*", help="cell ids, 'bootstrap', 'tools' (default: all)")
-    ap.add_argument("--check", action="store_true", help="fail if any lock is stale (offline)")
-    ap.add_argument("--outdated", action="store_true",
-                    help="ask PyPI what is newer than the matrix and the tool locks (exit 1 when anything is)")
-    ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
-    args = ap.parse_args(argv)
-    if args.outdated:
-        from ci import outdated  # noqa: PLC0415 - network code only this option needs
-
-        return outdated.main(["--matrix", str(args.matrix)])
-    try:
-        matrix = load(args.matrix)
-    except MatrixError as e:
-        print(e, file=sys.stderr)
-        return 1
-    universal = universal_targets(matrix)
-    ids = {c.id for c in matrix.cells}
-    unknown = [t for t in args.targets if t not in ids and t not in universal]
-    if unknown:
-        print(
-            f"error: targets: unknown {unknown}; known: {sorted(ids)} + {sorted(universal)}", file=sys.stderr
-        )
-        return 2
-    if args.check:
-        problems = check(matrix, args.targets or None)
-        for p in problems:
-            print(f"STALE {p}", file=sys.stderr)
-        n = len(args.targets) if args.targets else len(ids) + len(universal)
-        print(f"locks: {n} checked, {len(problems)} problem(s)")
-        return 1 if problems else 0
-    targets = args.targets or [c.id for c in matrix.cells] + list(universal)
-    uv = uv_bin()
-    failed = 0
-    for i, t in enumerate(targets, 1):
-        start = time.monotonic()
-        print(f"[{i}/{len(targets)}] locking {t} ...", flush=True)
-        try:
-            if t in universal:
-                out = compile_universal(t, *universal[t], uv=uv)
-            else:
-                out = compile_cell(matrix, matrix.get(t), uv=uv)
-        except LockError as e:
-            failed += 1
-            print(f"  FAILED: {e}", file=sys.stderr)
-            continue
-        n = len(parse_lock(out.read_text()))
-        rel = out.relative_to(matrix.path.parent.parent)
-        print(f"  wrote {rel} ({n} packages, {time.monotonic() - start:.1f}s)")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

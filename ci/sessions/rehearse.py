@@ -1,11 +1,11 @@
 """Rehearse ci.yml's CPU jobs on this machine with `act`: the workflow's own `run:` steps.
 
-    python -m ci.rehearse                 # jobs tests (a small pytest selection) and smoke
-    python -m ci.rehearse lint lock       # chosen jobs
-    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python -m ci.rehearse tests
+    python -m ci.sessions.rehearse                 # jobs tests (a small pytest selection) and smoke
+    python -m ci.sessions.rehearse lint lock       # chosen jobs
+    NSA_CI_PYTEST_ARGS="tests/cpu -q -x" python -m ci.sessions.rehearse tests
 
 As on a fresh runner that reaches only package indexes: no pip configuration, the CPU cell's PyTorch index
-served from 127.0.0.1 (ci.quickstart.local_index); matrix jobs run their Python 3.11 entry. act runs each
+served from 127.0.0.1 (ci.sessions.quickstart.local_index); matrix jobs run their Python 3.11 entry. act runs each
 job on this host (`-P ubuntu-latest=-self-hosted`) from a copy of ci.yml without the remote `uses:` steps
 but actions/checkout (runner preparation only; act would fetch them from GitHub), and this script checks
 that every `run:` step of the chosen jobs is kept byte for byte. docs/runners.md says more.
@@ -26,9 +26,9 @@ import yaml
 
 from ci.lint import ToolMissing, _load_yaml, find_tool
 from ci.matrix import load
-from ci.quickstart import clean_env, local_index
+from ci.sessions.quickstart import clean_env, local_index
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 DEFAULT_JOBS = ["tests", "smoke"]
 REHEARSED_PYTHON = "3.11"

@@ -1,7 +1,7 @@
 """Generate nsa/upstream.json, the upstream facts `nsa-env doctor` needs, from requirements/matrix.toml.
 
-    python -m ci.doctor_facts --write    # regenerate after editing the matrix (commit both)
-    python -m ci.doctor_facts --check    # exit 1 if the shipped file is stale (tests/cpu does this too)
+    python -m ci.matrix.facts --write    # regenerate after editing the matrix (commit both)
+    python -m ci.matrix.facts --check    # exit 1 if the shipped file is stale (tests/cpu does this too)
 
 The doctor runs where no checkout exists (an installed wheel), so the facts travel inside the package.
 They are the matrix's [upstream.*] tables, the flash-attn release wheels spelled out one by one (with
@@ -21,7 +21,7 @@ from typing import Any
 
 from ci.matrix import DEFAULT_PATH, Matrix, flash_wheel_name, flash_wheel_published, flash_wheel_url, load
 
-OUT = Path(__file__).resolve().parent.parent / "nsa" / "upstream.json"
+OUT = Path(__file__).resolve().parents[2] / "nsa" / "upstream.json"
 SCHEMA = 1
 
 
@@ -54,7 +54,7 @@ def build(matrix: Matrix) -> dict[str, Any]:
     ]
     return {
         "schema": SCHEMA,
-        "generated_from": "requirements/matrix.toml (python -m ci.doctor_facts --write)",
+        "generated_from": "requirements/matrix.toml (python -m ci.matrix.facts --write)",
         "torch": up.get("torch", {}),
         "cuda_archs": up.get("cuda", {}),
         "driver": up.get("driver", {}),
@@ -71,7 +71,7 @@ def render(facts: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ci.doctor_facts", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ci.matrix.facts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
     ap.add_argument("--out", type=Path, default=OUT)
     g = ap.add_mutually_exclusive_group(required=True)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
         return 0
     if not args.out.exists() or args.out.read_text() != text:
-        print(f"{args.out} is stale: run `python -m ci.doctor_facts --write` and commit it", file=sys.stderr)
+        print(f"{args.out} is stale: run `python -m ci.matrix.facts --write` and commit it", file=sys.stderr)
         return 1
     print(f"{args.out.name} matches {args.matrix.name}")
     return 0

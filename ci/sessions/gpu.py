@@ -1,12 +1,12 @@
 """The GPU sessions' logic: gpu_parity, backward, bench, oneshot (docs/gpu-suites.md).
 
 The nox sessions are thin wrappers around `main()`; without nox the same runs as
-    python -m ci.gpu_sessions gpu_parity backward bench [--skip-no-gpu] [--full] [-- PYTEST_ARGS]
+    python -m ci.sessions.gpu gpu_parity backward bench [--skip-no-gpu] [--full] [-- PYTEST_ARGS]
 
 Options (nox: after `--`): --skip-no-gpu (or NSA_SKIP_NO_GPU=1): on a machine with no GPU, skip instead
 of failing; --full: the long bench sweeps; --out DIR: artifact base (default artifacts/, or NSA_ARTIFACTS);
 -n N|auto: pytest-xdist workers (default: one per visible GPU when there are several); anything else goes
-to pytest. Every step's output lands in artifacts/<commit>/<cell>/<gpu-slug>/ (ci/artifacts.py), and
+to pytest. Every step's output lands in artifacts/<commit>/<cell>/<gpu-slug>/ (ci/evidence/artifacts.py), and
 summary.md / known_good.json are re-rendered after each session.
 """
 
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ci import artifacts as A
-from ci.install import install_cell
+from ci.evidence import artifacts as A
+from ci.sessions.install import install_cell
 
 ROOT = A.ROOT
 SESSIONS = ("gpu_parity", "backward", "bench", "oneshot")
@@ -198,7 +198,7 @@ def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> 
     run = ctx.run
     junit = run.path / f"junit-{suite}.xml"
     cmd = [ctx.python, "-m", "pytest", *files, f"--junitxml={junit}", "-o", f"junit_suite_name={suite}",
-           "-o", "junit_logging=all", "-p", "ci.gpu_split", "-rfEs", "-q"]
+           "-o", "junit_logging=all", "-p", "ci.sessions.gpu_split", "-rfEs", "-q"]
     workers = ctx.opts.workers or (str(ctx.gpus) if ctx.gpus > 1 else None)
     if workers and workers != "0":
         cmd += ["-n", workers, "--dist", "loadfile"]
@@ -221,7 +221,7 @@ def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> 
 
 def routing_step(ctx: Ctx) -> bool:
     """The seeds' 'one run with NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5': routing log + telemetry counters + sanity."""
-    res = A.run_logged([ctx.python, "-m", "ci.routing_probe", "--device", "cuda", "--out",
+    res = A.run_logged([ctx.python, "-m", "ci.sessions.routing_probe", "--device", "cuda", "--out",
                         str(ctx.run.path / "telemetry.json")], ctx.run.path / "logs" / "routing.log",
                        env=ctx.child_env({"NSA_DEBUG_LOG": "1", "NSA_LOG_LIMIT": "5"}))
     ok = res.returncode == 0
@@ -353,7 +353,7 @@ def run_bench(ctx: Ctx) -> bool:
     gate = run.state.get("gate") or {}
     if gate.get("status") == "NO-BASELINE":
         notes.append(f"no stored baseline for {gate.get('class')}: figures recorded, not compared "
-                     "(python -m ci.bench_gate promote ... to store them)")
+                     "(python -m ci.evidence.bench_gate promote ... to store them)")
     status = A.PASS if ok and gate_ok else A.FAIL
     run.record_suite("bench", status=status, runtime_s=round(time.perf_counter() - t0, 2), notes=notes)
     ctx.log(f"bench: {status}" + ("; " + "; ".join(notes) if notes else ""))
@@ -363,7 +363,7 @@ def run_bench(ctx: Ctx) -> bool:
 def bench_gate(ctx: Ctx) -> bool:
     run = ctx.run
     head = run.path / "bench-headline.json"
-    cmd = [ctx.python, "-m", "ci.bench_headline", "--device", "cuda", "--out", str(head)]
+    cmd = [ctx.python, "-m", "ci.evidence.bench_headline", "--device", "cuda", "--out", str(head)]
     if ctx.opts.full:
         cmd.append("--full")
     res = A.run_logged(cmd, run.path / "logs" / "bench-headline.log", env=ctx.child_env())
@@ -371,7 +371,7 @@ def bench_gate(ctx: Ctx) -> bool:
         run.state["gate"] = {"status": A.FAIL, "class": None,
                              "lines": [f"headline bench failed (exit {res.returncode})"]}
         return False
-    from ci import bench_gate as G
+    from ci.evidence import bench_gate as G
 
     headline = json.loads(head.read_text())
     cls = G.gpu_class(headline.get("gpu"))
@@ -474,7 +474,7 @@ def cli(argv: list[str] | None = None) -> int:
     while argv and argv[0] in SESSIONS:
         names.append(argv.pop(0))
     if not names:
-        print(f"usage: python -m ci.gpu_sessions {{{','.join(SESSIONS)}}} ... [--skip-no-gpu] [--full] [-- ARGS]")
+        print(f"usage: python -m ci.sessions.gpu {{{','.join(SESSIONS)}}} ... [--skip-no-gpu] [--full] [-- ARGS]")
         return 2
     rc = 0
     for name in names:

@@ -1,7 +1,7 @@
 """The README's Quick start as a new user runs it: a fresh clone, no pip configuration, only package indexes.
 
-    python -m ci.quickstart [--python 3.12] [--library] [--if-available]  # the README's commands, fresh clone
-    python -m ci.quickstart --mirror CELL -- CMD         # run CMD with the cell's index served from 127.0.0.1
+    python -m ci.sessions.quickstart [--python 3.12] [--library] [--if-available]  # the README's commands, fresh clone
+    python -m ci.sessions.quickstart --mirror CELL -- CMD         # run CMD with the cell's index served from 127.0.0.1
 
 The Quick start installs the Quick-start cell of the interpreter `python3` runs (requirements/matrix.toml).
 Where that cell's torch comes from PyTorch's index (the +cpu build), which this CI machine cannot reach,
@@ -36,11 +36,11 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from ci.install import choose_cell
 from ci.locks import download_wheels
 from ci.matrix import PYTORCH_INDEX_ENV, Cell, Matrix, load
+from ci.sessions.install import choose_cell
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_blocks(section: str, lang: str, readme: Path = ROOT / "README.md") -> list[str]:
@@ -174,7 +174,7 @@ def quickstart(python: str, library: bool = False, if_available: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ci.quickstart", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ci.sessions.quickstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default="{}.{}".format(*sys.version_info), help="Python X.Y (default: this one)")
     ap.add_argument("--library", action="store_true", help="then the library install and the README's examples")
     ap.add_argument("--if-available", action="store_true", help="skip, do not fail, without that Python")

@@ -1,4 +1,4 @@
-"""pytest plugin: one xdist worker per visible GPU, each pinned to its GPU (`-p ci.gpu_split`).
+"""pytest plugin: one xdist worker per visible GPU, each pinned to its GPU (`-p ci.sessions.gpu_split`).
 
 The implementation lives in tests/gpu/_pinning.py (which tests/gpu/conftest.py may import too); this
 module loads it by path so it works as a `-p` plugin from the repository root, before any conftest.
@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "_pinning.py"
+_PATH = Path(__file__).resolve().parents[2] / "tests" / "gpu" / "_pinning.py"
 _spec = importlib.util.spec_from_file_location("_nsa_gpu_pinning", _PATH)
 _mod = importlib.util.module_from_spec(_spec)
 sys.modules["_nsa_gpu_pinning"] = _mod

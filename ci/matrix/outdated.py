@@ -1,7 +1,7 @@
 """What PyPI has that is newer than the configuration matrix and the tool locks.
 
-    python -m ci.outdated            # or: nox -s lock -- --outdated
-    python -m ci.outdated --record tests/cpu/data/pypi   # save PyPI's answers, trimmed, for the tests
+    python -m ci.matrix.outdated            # or: nox -s lock -- --outdated
+    python -m ci.matrix.outdated --record tests/cpu/data/pypi   # save PyPI's answers, trimmed, for the tests
 
 Asks PyPI's JSON API (https://pypi.org/pypi/<name>/json; NSA_PYPI_JSON_URL points at a mirror of it) about
   torch       final releases of a minor the matrix has, newer than its newest patch there (the cells to
@@ -286,7 +286,7 @@ def render(findings: list[Finding]) -> str:
 
 
 def main(argv: list[str] | None = None, fetch: Fetch | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ci.outdated", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ci.matrix.outdated", description=__doc__.split("\n\n")[0])
     ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
     ap.add_argument("--record", type=Path, metavar="DIR", help="save PyPI's answers, trimmed, as DIR/<name>.json")
     args = ap.parse_args(argv)

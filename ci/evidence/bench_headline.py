@@ -1,6 +1,6 @@
 """The bench gate's headline figures: a few fixed NSA timings, median over repeats.
 
-    python -m ci.bench_headline --out bench-headline.json [--device cuda] [--full] [--repeats 5]
+    python -m ci.evidence.bench_headline --out bench-headline.json [--device cuda] [--full] [--repeats 5]
 
 Figures (dtype bf16 on CUDA, fp32 on CPU; paper block sizes):
   prefill_fwd_ms       nsa_attention forward, B=1, T=4096 (--full: 16384), Hq=16, Hkv=2, D=128 (ms, lower is better)
@@ -15,7 +15,7 @@ device synchronization at both ends; a repeat's value is the mean per call and t
 of the repeats (the spread is recorded as min/max). The clock is wall time on CUDA and this process's CPU
 time on CPU (so a loaded CI machine does not move CPU figures). `--tiny` shrinks every shape (CPU tests).
 
-Every timed function is wrapped by ci.slowdown.slowed(): NSA_TEST_SLOWDOWN=<factor> makes it that much
+Every timed function is wrapped by ci.evidence.slowdown.slowed(): NSA_TEST_SLOWDOWN=<factor> makes it that much
 slower (the test-only switch that proves the gate fails). The JSON records the factor it ran with.
 """
 
@@ -125,7 +125,7 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
         warmup: int | None = None, only: list[str] | None = None) -> dict:
     import torch
 
-    from ci.slowdown import factor, slowed
+    from ci.evidence.slowdown import factor, slowed
     from nsa import NSACache, NSAConfig, nsa_attention, nsa_decode, nsa_prefill
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -228,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.exit(main())

@@ -3,7 +3,7 @@
     NSA_TEST_SLOWDOWN=<factor>     e.g. 3 makes every call wrapped by `slowed()` take ~3x as long
 
 Nothing in nsa/ reads it: only the benches' timed functions that are wrapped with `slowed()` (the
-headline bench, ci/bench_headline.py; other benches may import it the same way). After each call the
+headline bench, ci/evidence/bench_headline.py; other benches may import it the same way). After each call the
 wrapper synchronizes the device, measures the call and spins for (factor - 1) times that duration, so the
 slowdown is proportional on CPU and GPU alike. Unset, empty or 1: the function is returned unwrapped.
 """

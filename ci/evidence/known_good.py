@@ -1,11 +1,11 @@
 """Merge runs' known_good.json files into KNOWN_GOOD.md and known_good.json at the repository root.
 
-    python -m ci.known_good [FILES_OR_DIRS ...] [--out-dir .]     (nox -s publish -- ...)
+    python -m ci.evidence.known_good [FILES_OR_DIRS ...] [--out-dir .]     (nox -s publish -- ...)
 
-Inputs: known_good.json files (ci/artifacts.py writes one per run directory) or directories searched for
+Inputs: known_good.json files (ci/evidence/artifacts.py writes one per run directory) or directories searched for
 them; default: artifacts/*/*/*/known_good.json. The existing root known_good.json is merged too, so
 earlier entries stay. One entry per (cell, GPU set): the newest by date wins (a later input on a tie).
-Every entry's status is decided again here by ci.artifacts.verdict: a cell is known-good on a GPU only
+Every entry's status is decided again here by ci.evidence.artifacts.verdict: a cell is known-good on a GPU only
 when every suite of that run passed with every package of the cell's lock installed at its locked version;
 suites that passed on another environment are `passes on host environment (N packages differ)`. When the
 newest run is not known-good, the table keeps the last known-good commit beside it.
@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from ci.artifacts import HOST_ENV, KNOWN_GOOD, status_text, verdict
+from ci.evidence.artifacts import HOST_ENV, KNOWN_GOOD, status_text, verdict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "nsa-known-good/1"
 TABLE_SCHEMA = "nsa-known-good-table/1"
 
@@ -94,7 +94,7 @@ def render_md(entries: list[dict]) -> str:
         "# Known-good configurations",
         "",
         "Cell (requirements/matrix.toml) x GPU, from the GPU sessions' artifacts (docs/gpu-suites.md).",
-        "Regenerate with `nox -s publish` (ci/known_good.py); do not edit.",
+        "Regenerate with `nox -s publish` (ci/evidence/known_good.py); do not edit.",
     ]
     for status, title, what in SECTIONS:
         rows = [e for e in entries if e.get("status") == status or (status is None and e.get("status") not in

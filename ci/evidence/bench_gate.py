@@ -1,11 +1,11 @@
 """The bench gate: headline figures against stored baselines for the same GPU class.
 
-    python -m ci.bench_gate check HEADLINE.json [--baselines bench/baselines.json] [--gpu-class C]
+    python -m ci.evidence.bench_gate check HEADLINE.json [--baselines bench/baselines.json] [--gpu-class C]
                                  [--strict] [--json OUT]
-    python -m ci.bench_gate promote HEADLINE.json [--baselines ...] [--gpu-class C] --commit SHA
+    python -m ci.evidence.bench_gate promote HEADLINE.json [--baselines ...] [--gpu-class C] --commit SHA
                                  [--artifact PATH] [--note TEXT]
 
-HEADLINE.json comes from ci/bench_headline.py: each figure is the median over repeats. A figure
+HEADLINE.json comes from ci/evidence/bench_headline.py: each figure is the median over repeats. A figure
 regresses when it is worse than its baseline by more than the allowance (bench/baselines.json's
 policy.allowance, or the figure's own "allowance"): for "lower is better", value > baseline * (1 + a).
 `check` exits 1 on any regression. A GPU class or figure with no baseline is reported as NO-BASELINE
@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASELINES = ROOT / "bench" / "baselines.json"
 SCHEMA = "nsa-bench-baselines/1"
 DEFAULT_ALLOWANCE = 0.15

@@ -8,6 +8,7 @@ the Quick-start cell of the interpreter nox runs on, [defaults.quickstart] of th
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,11 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from ci.sessions.install import install_cell  # noqa: E402  (the checkout's ci/ package, found through sys.path)
+from ci.evidence.artifacts import new_run_id  # noqa: E402  (the checkout's ci/ package, found through sys.path)
+from ci.sessions.install import install_cell  # noqa: E402
+
+# The GPU sessions of one nox invocation are one run (docs/gpu-suites.md); a caller may pass its own id.
+os.environ.setdefault("NSA_RUN_ID", new_run_id())
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "cpu_smoke"]
@@ -80,7 +85,7 @@ def rehearse(session: nox.Session) -> None:
 def images(session: nox.Session) -> None:
     """Docker images of the matrix cells (docs/images.md). `-- --plan [CELL ...]` prints the build plan
     (tags, bases, build args, flash-attn, expected size) without building; `-- [CELL ...] [--offline]
-    [--without-flash-attn] [--push] [--registry R]` builds one cell or all (ci/images.py, BuildKit);
+    [--without-flash-attn] [--repo R]` builds one cell or all (ci/images.py, BuildKit);
     `-- --ci [cpu] [gpu]` is CI's build-and-check of the CPU image and the cu130-torch2.11-py312 image
     (docker/ci_images.sh: root, installs docker.io, 5-10 min)."""
     args = list(session.posargs)
@@ -97,7 +102,8 @@ def images(session: nox.Session) -> None:
 # --- GPU suites (ci/sessions/gpu.py; docs/gpu-suites.md) -------------------------------------------------
 # One session definition for the four suites. Each fails on a machine with no GPU unless `-- --skip-no-gpu`
 # (or NSA_SKIP_NO_GPU=1) and writes artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json,
-# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench.
+# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench: all three, in one
+# invocation (one NSA_RUN_ID), and each within its time limit, are what a known-good run needs.
 GPU_SUITES = {
     "gpu_parity": "GPU parity: FA-2 cmp/win, Triton selection (when present), decode vs prefill, torch vs fp64 oracle.",
     "backward": "Gradient parity, fp64 gradcheck on CUDA, and the tiny model's training smoke (loss must fall).",
@@ -122,5 +128,6 @@ for _suite, _doc in GPU_SUITES.items():
 
 @nox.session(venv_backend="none")
 def publish(session: nox.Session) -> None:
-    """Merge artifacts/**/known_good.json (or `-- FILES/DIRS`) into KNOWN_GOOD.md and known_good.json."""
+    """Merge artifacts/**/known_good.json (or `-- FILES/DIRS`) into KNOWN_GOOD.md and known_good.json, judging each
+    run again; undated, future-dated and non-main CI runs are refused with a message (docs/gpu-suites.md)."""
     session.run(sys.executable, "-m", "ci.evidence.known_good", *session.posargs, external=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI's build-and-run test of the images, on a machine with no GPU and no registry. Both images come from
-# docker/Dockerfile with the build arguments of `python -m ci.images plan` (the ones images.yml passes),
+# docker/Dockerfile with the build arguments of `python -m ci.images plan` (the ones images.yml bakes),
 # built offline (--network none) from a wheelhouse of the cell's lock, on bases made here with debootstrap.
 #   cpu   the CPU cell (cpu-torch2.13-py311) on nsa-base:bookworm: the smoke job runs in the container;
 #         labels, installed set, size (<= 1.5 GB); a cached rebuild installs the same set
@@ -80,12 +80,12 @@ in_image() { "$DOCKER" run --rm --network none -e NSA_ENV_REPORT=0 "$@"; }
 build() {
   local cell=$1 suite=$2; shift 2
   local base="nsa-base:${suite}" start
-  args=(--offline --registry local --build-base "${base}" --runtime-base "${base}" "$@")
+  args=(--offline --repo local/nsa --build-base "${base}" --runtime-base "${base}" "$@")
   step "${cell}: base image ${base} (debootstrap)"
   WORKDIR=${tmp} bash docker/make_base.sh "${base}" "${suite}"
   step "${cell}: wheelhouse"
   # (pip warns about every configured index that lacks a package; those lines are dropped)
-  "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" "$@" --dest docker/wheelhouse \
+  "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" docker/wheelhouse.py "${cell}" "$@" --dest docker/wheelhouse \
     2>&1 | grep -v "is ignored: it is neither" || fail "wheelhouse"
   step "${cell}: build offline ($*)"
   start=$(date +%s)
@@ -97,7 +97,16 @@ build() {
   find docker/wheelhouse -mindepth 1 ! -name .gitignore ! -name README.md -delete
   step "${cell}: labels and installed set"
   "$DOCKER" image inspect "${image}" > "${tmp}/inspect.json"
-  "$py" -m ci.images check-labels "${cell}" "${args[@]}" --inspect "${tmp}/inspect.json" || fail "labels"
+  "$py" -m ci.images plan "${cell}" "${args[@]}" --json > "${tmp}/plan.json"
+  # Every label of the plan, exactly: the same commit gives the same revision and date.
+  "$py" - "${tmp}/plan.json" "${tmp}/inspect.json" <<'PY' || fail "labels differ from the plan"
+import json, sys
+want = json.load(open(sys.argv[1]))[0]["labels"]
+got = json.load(open(sys.argv[2]))[0]["Config"]["Labels"] or {}
+bad = {k: {"plan": v, "image": got.get(k)} for k, v in want.items() if got.get(k) != v}
+print(f"labels: all {len(want)} as planned" if not bad else f"labels that differ: {bad}")
+sys.exit(1 if bad else 0)
+PY
   # The image's installed set is its lock (plus flash-attn where the build installed it), exactly.
   in_image "${image}" python -m nsa.env --check-lock /opt/nsa-image/installed.txt || fail "installed set vs lock"
   report+=("${cell}|image=${image}" "${cell}|size_bytes=$("$DOCKER" image inspect --format '{{.Size}}' "${image}")"
@@ -122,7 +131,7 @@ for kind in "${kinds[@]}"; do
       [ "${size}" -le 1500000000 ] || fail "the CPU image is ${size} bytes, above 1.5 GB"
       step "${cell}: rebuild from the same lock with the cache"
       in_image "${image}" python -m pip freeze --all > "${tmp}/freeze1.txt"
-      "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" -m ci.images wheelhouse "${cell}" --dest docker/wheelhouse \
+      "$py" -m ci.sessions.quickstart --mirror "${cell}" -- "$py" docker/wheelhouse.py "${cell}" --dest docker/wheelhouse \
         2>&1 | grep -v "is ignored: it is neither" || fail "wheelhouse"
       "$py" -m ci.images build "${cell}" "${args[@]}" > "${tmp}/rebuild.log" 2>&1 \
         || { tail -n 40 "${tmp}/rebuild.log" >&2; fail "second image build"; }

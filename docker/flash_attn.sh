@@ -70,6 +70,8 @@ case "${FLASH_ATTN_SOURCE}" in
   *) die "unknown FLASH_ATTN_SOURCE '${FLASH_ATTN_SOURCE}' (none, wheel or source)" ;;
 esac
 
+# flash-attn's own requirements (torch, einops) must be in the lock it was installed beside.
+python -m pip check
 cp /opt/nsa-image/lock.txt /opt/nsa-image/installed.txt
 if [ -f "${record}" ]; then
   echo "flash-attn==$(python -c 'import importlib.metadata as m; print(m.version("flash-attn"))')" \

@@ -1,21 +1,8 @@
-"""The artifact tree of GPU runs: artifacts/<commit>/<cell>/<gpu-slug>/.
+"""The artifact tree of GPU runs, artifacts/<commit>/<cell>/<gpu-slug>/, and the verdict (docs/gpu-suites.md).
 
-One run directory per (commit, cell, GPU set). Every GPU session (gpu_parity, backward, bench, oneshot)
-records its part in `state.json` there and re-renders the derived files, so running the sessions one
-by one or together gives the same tree:
-
-    env.json                  `python -m nsa.env --json` (or its failure: returncode, stderr)
-    lock-check.json           `python -m nsa.env --check-lock <cell> --json` (drift of installed packages)
-    nvidia-smi.txt            `nvidia-smi` output (when present)
-    junit-<suite>.xml         pytest's JUnit XML per suite
-    logs/<step>.log           stdout+stderr of every command (routing probe: NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5)
-    telemetry.json            nsa.telemetry counters of the routing probe (which backend served each branch)
-    bench-*.csv (+ .json)     bench outputs with their environment sidecars; bench-headline.json; gate.json
-    summary.md                the seeds' reporting template, filled in
-    known_good.json           what ci/evidence/known_good.py merges into KNOWN_GOOD.md
-    README.md                 index of this directory
-    state.json                the record everything above is rendered from
-"""
+One directory holds one run: the sessions sharing a run id (NSA_RUN_ID). state.json records each suite
+(RUNNING, saved, before it starts); summary.md and known_good.json are rendered from it. State of another
+run id is moved aside to `<gpu-slug>.previous/`, never merged."""
 
 from __future__ import annotations
 
@@ -24,72 +11,100 @@ import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STATE_SCHEMA = "nsa-run/1"
-KG_SCHEMA = "nsa-known-good/1"
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-# The correctness suites a cell needs before it can be called known-good (bench joins when it was run).
-REQUIRED_SUITES = ("gpu_parity", "backward")
+STATE_SCHEMA, KG_SCHEMA = "nsa-run/2", "nsa-known-good/1"
+PASS, FAIL, RUNNING = "PASS", "FAIL", "RUNNING"
+# Every one of these must run to completion and pass in one run for it to be known-good.
+PLANNED_SUITES = ("gpu_parity", "backward", "bench")
 SUITE_TITLES = {
     "gpu_parity": "GPU parity (FA-2 cmp/win, Triton selection if present, decode vs prefill, torch vs fp64 oracle)",
     "backward": "Grad/Train smokes (gradient parity, gradcheck fp64, training smoke: loss falls)",
     "bench": "Benches (prefill, decode, FA-2) + bench gate",
 }
+KNOWN_GOOD, HOST_ENV, EVIDENCE = "known-good", "passes-on-host", "evidence"
+# CI runs that may certify a commit: the commit on main that triggered them (a PR's merge commit, a manual
+# run of another ref or commit, is evidence for that change only).
+CERTIFYING_EVENTS, MAIN_REF = ("push", "schedule"), "refs/heads/main"
+GITHUB_VARS = {"event": "GITHUB_EVENT_NAME", "ref": "GITHUB_REF", "repository": "GITHUB_REPOSITORY",
+               "run_id": "GITHUB_RUN_ID", "run_attempt": "GITHUB_RUN_ATTEMPT", "sha": "GITHUB_SHA"}
 
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "unknown"
+def parse_date(text) -> _dt.datetime | None:
+    """An ISO 8601 time with a UTC offset, else None (a time without an offset cannot be ordered)."""
+    try:
+        d = _dt.datetime.fromisoformat(str(text))
+    except ValueError:
+        return None
+    return d if d.tzinfo is not None else None
+
+
+def slug_path(text: str) -> str:
+    """A path component: keep the ids' own spelling (cu130-torch2.11-py312), drop anything path-like."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", str(text)).strip("-.") or "unknown"
 
 
 def gpu_slug(gpus: list[dict] | None) -> str:
     """[{'name': 'NVIDIA H200'}] -> 'nvidia-h200'; two of them -> '2x-nvidia-h200'; none -> 'no-gpu'."""
-    if not gpus:
-        return "no-gpu"
-    names = [g.get("name") or "unknown" for g in gpus]
-    parts = []
-    for name in dict.fromkeys(names):
-        n = names.count(name)
-        parts.append(f"{n}x-{slug(name)}" if n > 1 else slug(name))
-    return "+".join(parts)
+    names = [re.sub(r"[^a-z0-9]+", "-", str(g.get("name") or "unknown").lower()).strip("-") for g in gpus or []]
+    return "+".join(f"{names.count(n)}x-{n}" if names.count(n) > 1 else n for n in dict.fromkeys(names)) or "no-gpu"
 
 
-def git_commit(root: Path = ROOT) -> tuple[str, bool | None]:
-    """(short commit, dirty). NSA_COMMIT overrides (a copy of the tree without .git); else 'unknown'."""
-    forced = os.environ.get("NSA_COMMIT", "").strip()
-    if forced:
-        return forced, None
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=20)
-        if sha.returncode != 0:
-            return "unknown", None
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                            capture_output=True, text=True, timeout=20)
-        return sha.stdout.strip(), bool(st.stdout.strip()) if st.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
+def new_run_id(environ=os.environ) -> str:
+    """In GitHub Actions each session is its own nox call: the workflow run (and attempt) is the run."""
+    if environ.get("GITHUB_RUN_ID"):
+        return f"gh-{environ['GITHUB_RUN_ID']}-{environ.get('GITHUB_RUN_ATTEMPT') or 1}"
+    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
-def sha256_file(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
+def github_context(environ=os.environ) -> dict | None:
+    """GitHub's description of the CI run, or None for a local run."""
+    if environ.get("GITHUB_ACTIONS") != "true" and not environ.get("GITHUB_EVENT_NAME"):
         return None
+    return {k: environ.get(v) for k, v in GITHUB_VARS.items()}
 
 
-# --- running commands --------------------------------------------------------------------------------
+def git_commit(root: Path = ROOT, environ=os.environ, exclude: str | None = None) -> dict:
+    """{commit (full), commit_short, commit_source, dirty, changes}. Git runs with safe.directory=<root>: in a
+    container, root does not own the runner's checkout and git would refuse it. Where git cannot answer:
+    GITHUB_SHA, then NSA_COMMIT (a copy without .git); dirty is then None (not checked). Untracked files
+    count as changes (a stray conftest.py or module changes what runs); `exclude` (the artifact folder) not."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-c", f"safe.directory={root}", *args], cwd=root, capture_output=True,
+                                  text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            return subprocess.CompletedProcess(args, -1, "", str(e))
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode == 0:
+        st = git("status", "--porcelain", "--untracked-files=all", "--", ".",
+                 *([f":(exclude){exclude}"] if exclude else []))
+        changes = st.stdout.splitlines() if st.returncode == 0 else None
+        sha = head.stdout.strip()
+        return {"commit": sha, "commit_short": sha[:12], "commit_source": "git",
+                "dirty": None if changes is None else bool(changes), "changes": (changes or [])[:20]}
+    why = (head.stderr.strip().splitlines() or [f"exit {head.returncode}"])[-1]
+    for var in ("GITHUB_SHA", "NSA_COMMIT", None):
+        sha = environ.get(var, "").strip() if var else "unknown"
+        if sha:
+            return {"commit": sha, "commit_short": sha[:12], "commit_source": var, "dirty": None, "changes": [],
+                    "git_error": why}
 
 
 @dataclass
@@ -102,54 +117,62 @@ class Result:
 
 def run_logged(cmd: list[str], log: Path, *, env: dict | None = None, cwd: Path = ROOT, echo=True,
                timeout: float | None = None) -> Result:
-    """Run cmd, streaming stdout+stderr to the console and to `log`; the command line heads the log."""
+    """Run cmd in a process group of its own, streaming stdout+stderr to the console and to `log` (the
+    command line first). After `timeout` seconds the group is killed: rc 124, and the tail says so."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tail: list[str] = []
+    t0, tail = time.perf_counter(), []
     with log.open("w") as fh:
-        fh.write("$ " + " ".join(cmd) + "\n")
-        fh.flush()
+        print("$ " + " ".join(cmd), file=fh, flush=True)
         try:
             proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="replace", bufsize=1)
+                                    text=True, errors="replace", bufsize=1, start_new_session=True)
         except OSError as e:
             fh.write(f"could not start: {e}\n")
             return Result(127, 0.0, [f"could not start: {e}"], log)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            fh.write(line)
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            tail.append(line.rstrip("\n"))
-            if len(tail) > 200:
-                del tail[:100]
+
+        def pump():  # a thread, so that the wait below can time out while the output is still open
+            for line in proc.stdout:
+                fh.write(line)
+                if echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                tail.append(line.rstrip("\n"))
+                if len(tail) > 200:
+                    del tail[:100]
+
+        reader, rc = threading.Thread(target=pump, daemon=True), None
+        reader.start()
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            pass
+        finally:  # also on an interrupt: xdist workers and a bench's children must not outlive the step
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            reader.join(timeout=10)
+        if rc is None:
             rc = 124
+            tail.append(f"timed out after {round(timeout, 1):g} s: the command's process group was killed")
+            fh.write(tail[-1] + "\n")
         fh.write(f"\n[exit {rc} after {time.perf_counter() - t0:.1f} s]\n")
     return Result(rc, time.perf_counter() - t0, tail, log)
 
 
 def collect_env(python: str, out: Path, *, env: dict | None = None) -> dict:
     """Write env.json from `python -m nsa.env --json`; on failure write (and return) the failure itself."""
+    rc, stdout, stderr, report = -1, "", "", None
     try:
         p = subprocess.run([python, "-m", "nsa.env", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
-    except (OSError, subprocess.SubprocessError) as e:
-        rc, stdout, stderr = -1, "", str(e)
-    report = None
-    if rc == 0:
-        try:
-            report = json.loads(stdout)
-        except json.JSONDecodeError as e:
-            stderr = f"output is not JSON ({e}): {stdout[:500]}\n{stderr}"
-    if report is None:
-        report = {"error": "`python -m nsa.env --json` failed", "returncode": rc,
-                  "stderr": stderr[-4000:], "python": {"executable": python}}
+        report = json.loads(stdout) if rc == 0 else None
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+        stderr = f"{e}: {stdout[:500]}\n{stderr}"
+    report = report or {"error": "`python -m nsa.env --json` failed", "returncode": rc, "stderr": stderr[-4000:],
+                        "python": {"executable": python}}
     report.setdefault("host", socket.gethostname())
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -157,25 +180,13 @@ def collect_env(python: str, out: Path, *, env: dict | None = None) -> dict:
 
 def env_facts(report: dict) -> dict:
     """The fields the summary and known_good.json need, from an env.json (tolerant of a failed one)."""
-    t = report.get("torch") or {}
-    gpus = report.get("gpus") or []
-    return {
-        "host": report.get("host") or socket.gethostname(),
-        "gpus": [g.get("name") for g in gpus],
-        "gpu": gpus[0].get("name") if gpus else None,
-        "gpu_count": len(gpus),
-        "sm": gpus[0].get("sm") if gpus else None,
-        "driver": (report.get("driver") or {}).get("version"),
-        "driver_cuda": (report.get("driver") or {}).get("cuda"),
-        "python": (report.get("python") or {}).get("version"),
-        "torch": t.get("version"),
-        "cuda": t.get("cuda"),
-        "cudnn": t.get("cudnn"),
-        "triton": (report.get("triton") or {}).get("version"),
-        "flash_attn": (report.get("flash_attn") or {}).get("version"),
-        "cell": report.get("cell"),
-        "env_error": report.get("error"),
-    }
+    gpus, sub = report.get("gpus") or [{}], {k: report.get(k) or {} for k in ("torch", "driver", "triton")}
+    return {"host": report.get("host") or socket.gethostname(), "gpus": [g.get("name") for g in gpus if g],
+            "gpu": gpus[0].get("name"), "gpu_count": len([g for g in gpus if g]), "sm": gpus[0].get("sm"),
+            "driver": sub["driver"].get("version"), "python": (report.get("python") or {}).get("version"),
+            **{k: sub["torch"].get(k) for k in ("cuda", "cudnn")}, "torch": sub["torch"].get("version"),
+            "triton": sub["triton"].get("version"), "flash_attn": (report.get("flash_attn") or {}).get("version"),
+            "cell": report.get("cell"), "env_error": report.get("error")}
 
 
 def parse_junit(path: Path) -> dict:
@@ -184,66 +195,63 @@ def parse_junit(path: Path) -> dict:
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
-        counts["missing"] = True
-        return counts
+        return {**counts, "missing": True}
     for case in root.iter("testcase"):
+        kind = next((k for k in ("failure", "error", "skipped") if case.find(k) is not None), None)
         counts["tests"] += 1
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if case.find("failure") is not None:
-            counts["failed"] += 1
-            counts["failures"].append(name)
-        elif case.find("error") is not None:
-            counts["errors"] += 1
-            counts["failures"].append(name)
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
-            msg = case.find("skipped").get("message", "")
-            if msg and msg not in counts["skip_reasons"]:
-                counts["skip_reasons"].append(msg)
-        else:
-            counts["passed"] += 1
-    counts["skip_reasons"] = counts["skip_reasons"][:10]
-    counts["failures"] = counts["failures"][:20]
+        counts[{"failure": "failed", "error": "errors", "skipped": "skipped"}.get(kind, "passed")] += 1
+        if kind in ("failure", "error"):
+            counts["failures"].append(f"{case.get('classname', '')}::{case.get('name', '')}")
+        elif kind and case.find(kind).get("message") not in (None, "", *counts["skip_reasons"]):
+            counts["skip_reasons"].append(case.find(kind).get("message"))
+    counts["skip_reasons"], counts["failures"] = counts["skip_reasons"][:10], counts["failures"][:20]
     return counts
 
 
 def suite_status(returncode: int, counts: dict, missing: list[str] | None = None) -> tuple[str, list[str]]:
     """PASS only when pytest exited 0, nothing failed, at least one test passed and no expected file is missing."""
-    notes = []
-    if missing:
-        notes.append("missing test files: " + ", ".join(missing))
+    notes = ["missing test files: " + ", ".join(missing)] if missing else []
     if returncode == 5 or counts.get("tests", 0) == 0:
         notes.append("no tests ran")
     elif counts.get("passed", 0) == 0:
         notes.append("every test was skipped")
-    if returncode not in (0, 5):
+    if returncode == 124:
+        notes.append("timed out: the suite's time limit was reached and pytest was killed")
+    elif returncode not in (0, 5):
         notes.append(f"pytest exited {returncode}")
     ok = returncode == 0 and counts.get("passed", 0) > 0 and not counts.get("failed") and not counts.get("errors")
     return (PASS if ok and not missing else FAIL), notes
 
 
-# --- the run directory -------------------------------------------------------------------------------
-
-
 class RunDir:
-    """artifacts/<commit>/<cell>/<gpu-slug>/ and its state.json."""
+    """artifacts/<commit>/<cell>/<gpu-slug>/ and its state.json, for one run id."""
 
-    def __init__(self, path: Path, *, commit: str, cell: str, gpu_slug: str, dirty: bool | None = None):
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "logs").mkdir(exist_ok=True)
-        self.state_path = self.path / "state.json"
-        if self.state_path.exists():
-            self.state = json.loads(self.state_path.read_text())
-        else:
-            self.state = {"schema": STATE_SCHEMA, "created": now_iso(), "suites": {}, "benches": {}, "steps": []}
-        self.state.update(commit=commit, cell=cell, gpu_slug=gpu_slug, dirty=dirty)
+    def __init__(self, path: Path, *, run_id: str, cell: str, gpu_slug: str, commit: dict | None = None,
+                 github: dict | None = None, log=print):
+        self.path, self.state_path = Path(path), Path(path) / "state.json"
+        old = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        if old and old.get("run_id") != run_id:
+            aside = self.path.with_name(self.path.name + ".previous")
+            shutil.rmtree(aside, ignore_errors=True)
+            self.path.rename(aside)
+            log(f"artifacts: {self.path} held run {old.get('run_id')!r}, not this run {run_id!r}: moved to "
+                f"{aside.name}/, starting fresh (one run id per invocation: NSA_RUN_ID)")
+            old = {}
+        (self.path / "logs").mkdir(parents=True, exist_ok=True)
+        self.state = old or {"schema": STATE_SCHEMA, "run_id": run_id, "created": now_iso(), "suites": {},
+                             "benches": {}, "steps": [], "dirty": False, "changes": []}
+        commit = commit or {"commit": "unknown", "commit_short": "unknown", "dirty": None}
+        # A run is dirty (or unchecked) when any of its sessions saw its tree so.
+        was, now = self.state.get("dirty"), commit.get("dirty")
+        self.state.update(commit, dirty=True if True in (was, now) else (None if None in (was, now) else False),
+                          changes=list(dict.fromkeys(self.state.get("changes", []) + commit.get("changes", [])))[:20],
+                          cell=cell, gpu_slug=gpu_slug, github=github)
 
     @classmethod
-    def create(cls, base: Path, commit: str, cell: str, gpus: list[dict] | None, dirty=None) -> RunDir:
+    def create(cls, base: Path, cell: str, gpus: list[dict] | None, **kw) -> RunDir:
         gs = gpu_slug(gpus)
-        return cls(Path(base) / slug_path(commit) / slug_path(cell) / gs, commit=commit, cell=cell, gpu_slug=gs,
-                   dirty=dirty)
+        short = (kw.get("commit") or {}).get("commit_short", "unknown")
+        return cls(Path(base) / slug_path(short) / slug_path(cell) / gs, cell=cell, gpu_slug=gs, **kw)
 
     def rel(self, p: Path | str) -> str:
         return str(Path(p).resolve().relative_to(self.path.resolve()))
@@ -252,263 +260,192 @@ class RunDir:
         self.state["updated"] = now_iso()
         self.state_path.write_text(json.dumps(self.state, indent=2, default=str) + "\n")
 
-    # records -----------------------------------------------------------------------------------------
     def set_env(self, report: dict) -> None:
         self.state["env"] = env_facts(report)
 
     def set_lock(self, cell: str, check: dict | None) -> None:
         lock = ROOT / "requirements" / "locks" / f"{cell}.txt"
-        self.state["lock"] = {"path": str(lock.relative_to(ROOT)) if lock.exists() else None,
-                              "sha256": sha256_file(lock) if lock.exists() else None}
+        sha = hashlib.sha256(lock.read_bytes()).hexdigest() if lock.exists() else None
+        self.state["lock"] = {"path": str(lock.relative_to(ROOT)) if sha else None, "sha256": sha}
         if check is not None:
             self.state["lock"]["check"] = {
                 k: (len(v) if isinstance(v, list) else v) for k, v in check.items()
                 if k in ("missing", "extra", "wrong_version", "local_label", "matching", "drift", "error")}
-        digest = os.environ.get("NSA_IMAGE_DIGEST") or None
-        self.state["image"] = {"digest": digest, "name": os.environ.get("NSA_IMAGE") or None}
+        self.state["image"] = {"digest": os.environ.get("NSA_IMAGE_DIGEST") or None,
+                               "name": os.environ.get("NSA_IMAGE") or None}
+
+    def begin_suite(self, name: str, timeout_s: float) -> None:
+        """Recorded, saved and rendered before the suite starts: a crash, kill or timeout leaves it RUNNING."""
+        self.state["suites"][name] = {"status": RUNNING, "started": now_iso(), "timeout_s": timeout_s}
+        self.finalize()
 
     def record_suite(self, name: str, **fields) -> None:
-        entry = {"finished": now_iso(), **fields}
-        self.state["suites"][name] = entry
+        self.state["suites"][name] = {**self.state["suites"].get(name, {}), "finished": now_iso(), **fields}
 
     def record_bench(self, name: str, **fields) -> None:
         self.state["benches"][name] = {"finished": now_iso(), **fields}
 
     def record_step(self, name: str, status: str, seconds: float, log: str | None = None, note: str = "") -> None:
-        self.state["steps"] = [s for s in self.state.get("steps", []) if s["name"] != name]
-        self.state["steps"].append({"name": name, "status": status, "seconds": round(seconds, 2), "log": log,
-                                    "note": note})
+        self.state["steps"] = [s for s in self.state.get("steps", []) if s["name"] != name] + [
+            {"name": name, "status": status, "seconds": round(seconds, 2), "log": log, "note": note}]
 
-    # derived files -----------------------------------------------------------------------------------
     def finalize(self) -> None:
         self.save()
-        kg = known_good_record(self.state, artifact_dir=self._artifact_rel())
+        where = self.path.resolve()
+        kg = known_good_record(self.state, str(where.relative_to(ROOT) if where.is_relative_to(ROOT) else where))
         (self.path / "known_good.json").write_text(json.dumps(kg, indent=2) + "\n")
-        (self.path / "summary.md").write_text(render_summary(self.state, self.files()))
-        (self.path / "README.md").write_text(render_index(self.state, self.files()))
-
-    def _artifact_rel(self) -> str:
-        try:
-            return str(self.path.resolve().relative_to(ROOT))
-        except ValueError:
-            return str(self.path)
-
-    def files(self) -> list[str]:
-        out = []
-        for p in sorted(self.path.rglob("*")):
-            if p.is_file():
-                out.append(self.rel(p))
-        for name in ("summary.md", "known_good.json", "README.md"):
-            if name not in out:
-                out.append(name)
-        return sorted(out)
+        files = sorted({self.rel(p) for p in self.path.rglob("*") if p.is_file()} | {"summary.md"})
+        (self.path / "summary.md").write_text(render_summary(self.state, kg, files))
 
 
-def slug_path(text: str) -> str:
-    """A path component: keep the ids' own spelling (cu130-torch2.11-py312), drop anything path-like."""
-    return re.sub(r"[^A-Za-z0-9._+-]+", "-", str(text)).strip("-.") or "unknown"
-
-
-# --- rendering ---------------------------------------------------------------------------------------
-
-
-def _fmt_runtime(s) -> str:
-    if s is None:
-        return "n/a"
-    s = float(s)
-    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
-
-
-def _suite_line(name: str, s: dict | None) -> str:
-    title = SUITE_TITLES.get(name, name)
-    if not s:
-        return f"- {title}: NOT RUN"
-    c = s.get("counts") or {}
-    parts = [_fmt_runtime(s.get("runtime_s"))]
-    if c:
-        parts.append(f"{c.get('passed', 0)} passed, {c.get('failed', 0) + c.get('errors', 0)} failed, "
-                     f"{c.get('skipped', 0)} skipped")
-    line = f"- {title}: {s.get('status', '?')} ({'; '.join(parts)})"
-    for note in s.get("notes") or []:
-        line += f"\n  - {note}"
-    for reason in (c.get("skip_reasons") or [])[:5]:
-        line += f"\n  - skipped: {reason}"
-    for f in (c.get("failures") or [])[:10]:
-        line += f"\n  - failed: {f}"
-    return line
-
-
-def render_summary(state: dict, files: list[str]) -> str:
-    e = state.get("env") or {}
-    gpu = e.get("gpu") or "no GPU"
-    if e.get("gpu_count", 0) > 1:
-        gpu = f"{e['gpu_count']} x {gpu}"
-    lines = [
-        f"# NSA GPU run: {state.get('cell')} on {state.get('gpu_slug')}",
-        "",
-        "```",
-        f"GPU Host: {e.get('host', 'unknown')} / {gpu} / Driver {e.get('driver') or 'unknown'}",
-        f"Commit: {state.get('commit')}" + (" (uncommitted changes)" if state.get("dirty") else ""),
-        f"Torch/Triton/CUDA: torch {e.get('torch')}, triton {e.get('triton')}, cuda {e.get('cuda')}",
-        f"Python: {e.get('python')}; cell: {state.get('cell')}; flash-attn: {e.get('flash_attn') or 'not installed'}",
-        "```",
-    ]
-    if e.get("env_error"):
-        lines += ["", f"**Environment report failed**: {e['env_error']} (see env.json)"]
-    lock = state.get("lock") or {}
-    if lock:
-        chk = lock.get("check") or {}
-        drift = (f"; installed vs lock: {chk.get('matching', 0)} matching, {chk.get('missing', 0)} missing, "
-                 f"{chk.get('wrong_version', 0)} other version, {chk.get('extra', 0)} extra") if chk else ""
-        lines += ["", f"Lock: {lock.get('path')} (sha256 {str(lock.get('sha256'))[:16]}...){drift}"]
-        if (state.get("image") or {}).get("digest"):
-            lines.append(f"Image: {state['image'].get('name') or ''} {state['image']['digest']}")
-    lines += ["", "## Tests", ""]
-    for name in ("gpu_parity", "backward"):
-        lines.append(_suite_line(name, state.get("suites", {}).get(name)))
-    for name, s in sorted(state.get("suites", {}).items()):
-        if name not in ("gpu_parity", "backward", "bench"):
-            lines.append(_suite_line(name, s))
-    lines += ["", "## Benches", ""]
-    benches = state.get("benches") or {}
-    if not benches:
-        lines.append("- not run")
-    for name, b in sorted(benches.items()):
-        head = f"- {name} bench: {b.get('status')} ({_fmt_runtime(b.get('runtime_s'))})"
-        if b.get("note"):
-            head += f": {b['note']}"
-        lines.append(head)
-        for s in b.get("summary") or []:
-            lines.append(f"  - {s}")
-    gate = state.get("gate")
-    if gate:
-        lines.append(f"- Bench gate ({gate.get('class')}, allowance {gate.get('allowance', 0):.0%}): "
-                     f"{gate.get('status')}")
-        for s in gate.get("lines") or []:
-            lines.append(f"  - {s}")
-    if "bench" in state.get("suites", {}):
-        lines.append(_suite_line("bench", state["suites"]["bench"]))
-    steps = state.get("steps") or []
-    if steps:
-        lines += ["", "## Steps", ""]
-        for s in steps:
-            note = f" - {s['note']}" if s.get("note") else ""
-            log = f" [{s['log']}]" if s.get("log") else ""
-            lines.append(f"- {s['name']}: {s['status']} ({_fmt_runtime(s.get('seconds'))}){log}{note}")
-    kg = known_good_record(state, artifact_dir="")
-    lines += ["", f"## Verdict: {status_text(kg)}", "", kg["reason"], "", "## Artifacts", ""]
-    lines += [f"- {f}" for f in files]
-    return "\n".join(lines) + "\n"
-
-
-FILE_HELP = {
-    "env.json": "environment report (`python -m nsa.env --json`)",
-    "lock-check.json": "installed packages vs the cell's lock (`python -m nsa.env --check-lock`)",
-    "nvidia-smi.txt": "`nvidia-smi` output",
-    "telemetry.json": "routing counters (nsa.telemetry) of the routing probe",
-    "summary.md": "the report in the seeds' template",
-    "known_good.json": "this run's entry for KNOWN_GOOD.md (`nox -s publish`)",
-    "state.json": "the record summary.md and known_good.json are rendered from",
-    "bench-headline.json": "headline figures (ci/evidence/bench_headline.py), medians over repeats",
-    "gate.json": "headline figures vs bench/baselines.json",
-    "README.md": "this index",
-}
-
-
-def render_index(state: dict, files: list[str]) -> str:
-    lines = [f"# artifacts/{state.get('commit')}/{state.get('cell')}/{state.get('gpu_slug')}", "",
-             "Written by the nox GPU sessions (docs/gpu-suites.md). Start with summary.md.", "",
-             "| file | what |", "|---|---|"]
-    for f in files:
-        what = FILE_HELP.get(f)
-        if what is None:
-            if f.startswith("junit-"):
-                what = f"JUnit XML of the {f[6:-4]} suite"
-            elif f.startswith("logs/"):
-                what = "stdout+stderr of one step"
-            elif f.endswith(".csv"):
-                what = "bench CSV"
-            elif f.endswith(".json") and f.startswith("bench-"):
-                what = "bench metadata sidecar (environment, arguments, rows)"
-            else:
-                what = ""
-        lines.append(f"| {f} | {what} |")
-    return "\n".join(lines) + "\n"
-
-
-KNOWN_GOOD, HOST_ENV = "known-good", "passes-on-host"
-
-
-def lock_differences(lock_check: dict | None) -> int | None:
+def lock_differences(chk: dict | None) -> int | None:
     """How many packages of the cell's lock are missing or at another version; None when not checked."""
-    if not lock_check or lock_check.get("error") or "missing" not in lock_check:
-        return None
-    return int(lock_check.get("missing") or 0) + int(lock_check.get("wrong_version") or 0)
+    ok = chk and not chk.get("error") and "missing" in chk
+    return int(chk.get("missing") or 0) + int(chk.get("wrong_version") or 0) if ok else None
+
+
+def provenance_problems(entry: dict) -> list[str]:
+    """Why the run cannot certify its commit: no run id, an unknown or dirty tree, a CI run not on main."""
+    problems = [] if entry.get("run_id") else ["no run id: the suites are not shown to come from one run"]
+    commit, gh = str(entry.get("commit") or "unknown"), entry.get("github")
+    if commit == "unknown":
+        problems.append("commit unknown (git could not answer; no GITHUB_SHA or NSA_COMMIT)")
+    if entry.get("dirty"):
+        problems.append("uncommitted changes in the tree (tracked or untracked files)")
+    elif entry.get("dirty") is None and not (gh and entry.get("commit_source") == "GITHUB_SHA"):
+        src = entry.get("commit_source")
+        problems.append("the tree was not checked for changes" + (f" (git did not answer; commit from {src})"
+                                                                 if src else ""))
+    if gh:
+        if gh.get("event") not in CERTIFYING_EVENTS or gh.get("ref") != MAIN_REF:
+            problems.append(f"a {gh.get('event')} run on {gh.get('ref')}: CI certifies only push and schedule "
+                            f"runs on {MAIN_REF}")
+        elif gh.get("sha") != commit:  # GITHUB_SHA: the commit on main that triggered the run
+            problems.append(f"tested commit {commit[:12]}, not the commit {str(gh.get('sha'))[:12]} that triggered "
+                            "the run")
+    return problems
 
 
 def verdict(entry: dict) -> tuple[str, str]:
-    """(status, reason) of a run from its suites, GPUs and lock check. Known-good: every suite passed and
-    every package of the cell's lock was installed at its locked version (extra packages are listed, not
-    fatal). Suites that passed on an environment that is not the lock: passes-on-host."""
+    """(status, reason) of a run record (known_good.json). Known-good: every planned suite ran to completion
+    and passed in this run, on a GPU, from a clean committed tree, locally or in a push/schedule run on main,
+    with every package of the cell's lock at its locked version (extra packages are listed, not fatal)."""
     suites = entry.get("suites") or {}
-    failed = sorted(n for n, s in suites.items() if s.get("status") != PASS)
-    missing = [n for n in REQUIRED_SUITES if n not in suites]
-    if failed:
-        return "failing", "suites not passing: " + ", ".join(f"{n} ({suites[n].get('status')})" for n in failed)
+    bad = [f"{n} did not finish (left RUNNING: killed, crashed or timed out)" if s.get("status") == RUNNING
+           else f"{n} ({s.get('status')})" for n, s in sorted(suites.items()) if s.get("status") != PASS]
+    if bad:
+        return "failing", "suites not passing: " + "; ".join(bad)
+    missing = [n for n in PLANNED_SUITES if n not in suites]
     if missing:
-        return "incomplete", "suites not run: " + ", ".join(missing)
+        return "incomplete", "suites not run in this run: " + ", ".join(missing)
     if not entry.get("gpu_count"):
         return "incomplete", "no GPU in the environment report"
+    passed = "all suites passed: " + ", ".join(sorted(suites))
+    problems = provenance_problems(entry)
+    if problems:
+        return EVIDENCE, f"{passed}; not known-good: " + "; ".join(problems)
     check = entry.get("lock_check")
     differ = lock_differences(check)
-    passed = "all suites passed: " + ", ".join(sorted(suites))
     if differ is None:
         return HOST_ENV, f"{passed}; the installed set was not checked against the cell's lock"
     if differ:
         return HOST_ENV, (f"{passed}; {differ} package(s) of the cell's lock missing or at another version "
                           f"({check.get('missing', 0)} missing, {check.get('wrong_version', 0)} other version)")
+    if ((entry.get("overlay") or {}).get("pip_check") or {}).get("returncode"):
+        return HOST_ENV, f"{passed}; `pip check` failed in the overlay venv (its nsa-overlay.json says why)"
     extra = f"; {check['extra']} extra package(s) installed" if check.get("extra") else ""
     return KNOWN_GOOD, f"{passed}, every package of the cell's lock at its locked version{extra}"
 
 
 def status_text(entry: dict) -> str:
     """How KNOWN_GOOD.md shows a status: `passes on host environment (N packages differ)`."""
-    if entry.get("status") != HOST_ENV:
-        return str(entry.get("status"))
     differ = lock_differences(entry.get("lock_check"))
-    return f"passes on host environment ({'lock not checked' if differ is None else f'{differ} packages differ'})"
+    differ = "lock not checked" if differ is None else f"{differ} packages differ"
+    return {EVIDENCE: "passes, evidence only", HOST_ENV: f"passes on host environment ({differ})"}.get(
+        entry.get("status"), str(entry.get("status")))
+
+
+def run_seconds(state: dict) -> float | None:
+    a, b = parse_date(state.get("created")), parse_date(state.get("updated"))
+    return (b - a).total_seconds() if a and b else None
 
 
 def known_good_record(state: dict, artifact_dir: str) -> dict:
     """The run's entry for KNOWN_GOOD.md; its status comes from verdict()."""
-    e = state.get("env") or {}
-    suites = state.get("suites") or {}
-    headline = {}
-    gate = state.get("gate") or {}
-    for row in gate.get("rows") or []:
-        headline[row["figure"]] = round(float(row["value"]), 4)
+    e, gate, lock = state.get("env") or {}, state.get("gate") or {}, state.get("lock") or {}
     entry = {
-        "schema": KG_SCHEMA,
-        "cell": state.get("cell"),
-        "gpu": e.get("gpu"),
-        "gpu_slug": state.get("gpu_slug"),
-        "gpu_count": e.get("gpu_count", 0),
-        "sm": e.get("sm"),
-        "driver": e.get("driver"),
-        "host": e.get("host"),
-        "commit": state.get("commit"),
-        "dirty": state.get("dirty"),
-        "date": state.get("updated") or now_iso(),
+        "schema": KG_SCHEMA, "cell": state.get("cell"), "gpu": e.get("gpu"), "gpu_slug": state.get("gpu_slug"),
+        "gpu_count": e.get("gpu_count", 0), "sm": e.get("sm"), "driver": e.get("driver"), "host": e.get("host"),
+        **{k: state.get(k) for k in ("run_id", "commit", "commit_short", "commit_source", "dirty", "github")},
+        "started": state.get("created"), "date": state.get("updated") or now_iso(),
+        "run_seconds": run_seconds(state),
         "versions": {k: e.get(k) for k in ("python", "torch", "triton", "cuda", "cudnn", "flash_attn")},
-        "lock": {k: (state.get("lock") or {}).get(k) for k in ("path", "sha256")},
-        "lock_check": (state.get("lock") or {}).get("check"),
-        "image_digest": (state.get("image") or {}).get("digest"),
+        "lock": {k: lock.get(k) for k in ("path", "sha256")}, "lock_check": lock.get("check"),
+        "image_digest": (state.get("image") or {}).get("digest"), "overlay": state.get("overlay"),
         "suites": {n: {"status": s.get("status"), "runtime_s": s.get("runtime_s"),
                        **{k: (s.get("counts") or {}).get(k) for k in ("passed", "failed", "skipped")}}
-                   for n, s in sorted(suites.items())},
+                   for n, s in sorted((state.get("suites") or {}).items())},
         "bench_gate": gate.get("status"),
-        "headline": headline,
+        "headline": {r["figure"]: round(float(r["value"]), 4) for r in gate.get("rows") or []},
         "artifacts": artifact_dir,
     }
     entry["status"], entry["reason"] = verdict(entry)
     return entry
+
+
+def _fmt_s(s) -> str:
+    return "n/a" if s is None else f"{float(s):.1f} s" if float(s) < 120 else f"{float(s) / 60:.1f} min"
+
+
+def _suite_line(name: str, s: dict | None) -> str:
+    title = SUITE_TITLES.get(name, name)
+    if not s:
+        return f"- {title}: NOT RUN"
+    if s.get("status") == RUNNING:
+        return f"- {title}: RUNNING since {s.get('started')}: not finished (killed, crashed or timed out)"
+    c = s.get("counts") or {}
+    parts = [_fmt_s(s.get("runtime_s"))] + ([f"limit {_fmt_s(s['timeout_s'])}"] if s.get("timeout_s") else [])
+    if c:
+        parts.append(f"{c.get('passed', 0)} passed, {c.get('failed', 0) + c.get('errors', 0)} failed, "
+                     f"{c.get('skipped', 0)} skipped")
+    return "\n  - ".join([f"- {title}: {s.get('status', '?')} ({'; '.join(parts)})", *(s.get("notes") or []),
+                          *[f"skipped: {r}" for r in (c.get("skip_reasons") or [])[:5]],
+                          *[f"failed: {f}" for f in (c.get("failures") or [])[:10]]])
+
+
+def render_summary(state: dict, kg: dict, files: list[str]) -> str:
+    e, lock, gh, suites = (state.get(k) or {} for k in ("env", "lock", "github", "suites"))
+    gpu = (f"{e['gpu_count']} x " if e.get("gpu_count", 0) > 1 else "") + (e.get("gpu") or "no GPU")
+    dirty = {True: " (uncommitted changes)", None: " (tree not checked)"}.get(state.get("dirty"), "")
+    chk, image = lock.get("check") or {}, state.get("image") or {}
+    lines = [
+        f"# NSA GPU run: {state.get('cell')} on {state.get('gpu_slug')}", "", "```",
+        f"GPU Host: {e.get('host', 'unknown')} / {gpu} / Driver {e.get('driver') or 'unknown'}",
+        f"Commit: {state.get('commit')}{dirty} (from {state.get('commit_source')})",
+        f"Torch/Triton/CUDA: torch {e.get('torch')}, triton {e.get('triton')}, cuda {e.get('cuda')}",
+        f"Python: {e.get('python')}; cell: {state.get('cell')}; flash-attn: {e.get('flash_attn') or 'not installed'}",
+        f"Run: {state.get('run_id')}, {state.get('created')} to {state.get('updated')} "
+        f"(wall time {_fmt_s(run_seconds(state))})",
+        "CI: " + (", ".join(f"{k} {v}" for k, v in gh.items() if v) or "none (local run)"), "```",
+        *[f"- uncommitted: {c}" for c in state.get("changes") or []],
+        *(["", f"**Environment report failed**: {e['env_error']} (see env.json)"] if e.get("env_error") else []),
+        "", f"Lock: {lock.get('path')} (sha256 {str(lock.get('sha256'))[:16]}...)" + (
+            f"; installed vs lock: {chk.get('matching', 0)} matching, {chk.get('missing', 0)} missing, "
+            f"{chk.get('wrong_version', 0)} other version, {chk.get('extra', 0)} extra" if chk else ""),
+        *([f"Image: {image.get('name') or ''} {image['digest']}"] if image.get("digest") else []),
+        "", "## Tests", "", *[_suite_line(n, suites.get(n)) for n in ("gpu_parity", "backward")],
+        *[_suite_line(n, s) for n, s in sorted(suites.items()) if n not in PLANNED_SUITES],
+        "", "## Benches", "", *([] if state.get("benches") else ["- not run"])]
+    for name, b in sorted((state.get("benches") or {}).items()):
+        note = f": {b['note']}" if b.get("note") else ""
+        lines += [f"- {name} bench: {b.get('status')} ({_fmt_s(b.get('runtime_s'))}){note}",
+                  *[f"  - {x}" for x in b.get("summary") or []]]
+    gate = state.get("gate") or {}
+    if gate:
+        lines += [f"- Bench gate ({gate.get('class')}, allowance {gate.get('allowance', 0):.0%}): {gate.get('status')}",
+                  *[f"  - {x}" for x in gate.get("lines") or []]]
+    lines += [_suite_line("bench", suites.get("bench"))] + (["", "## Steps", ""] if state.get("steps") else [])
+    lines += [f"- {x['name']}: {x['status']} ({_fmt_s(x.get('seconds'))})" + (f" [{x['log']}]" if x.get("log") else "")
+              + (f" - {x['note']}" if x.get("note") else "") for x in state.get("steps") or []]
+    lines += ["", f"## Verdict: {status_text(kg)}", "", kg["reason"], "", "## Artifacts", ""]
+    return "\n".join(lines + [f"- {f}" for f in files]) + "\n"

@@ -5,7 +5,7 @@
     python -m ci.evidence.bench_gate promote HEADLINE.json [--baselines ...] [--gpu-class C] --commit SHA
                                  [--artifact PATH] [--note TEXT]
 
-HEADLINE.json comes from ci/evidence/bench_headline.py: each figure is the median over repeats. A figure
+HEADLINE.json comes from bench/bench_headline.py: each figure is the median over repeats. A figure
 regresses when it is worse than its baseline by more than the allowance (bench/baselines.json's
 policy.allowance, or the figure's own "allowance"): for "lower is better", value > baseline * (1 + a).
 `check` exits 1 on any regression. A GPU class or figure with no baseline is reported as NO-BASELINE
@@ -25,16 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASELINES = ROOT / "bench" / "baselines.json"
 SCHEMA = "nsa-bench-baselines/1"
 DEFAULT_ALLOWANCE = 0.15
-
 PASS, FAIL, NO_BASELINE = "PASS", "FAIL", "NO-BASELINE"
 
 
 def gpu_class(name: str | None) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; None/'' -> 'cpu'. The class is the exact model."""
-    if not name:
-        return "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return re.sub(r"^nvidia-", "", slug) or "cpu"
+    return re.sub(r"^nvidia-", "", re.sub(r"[^a-z0-9]+", "-", (name or "").lower()).strip("-")) or "cpu"
 
 
 def load_baselines(path: str | Path = DEFAULT_BASELINES) -> dict:
@@ -49,25 +45,19 @@ def load_baselines(path: str | Path = DEFAULT_BASELINES) -> dict:
 
 def compare(figures: dict, baselines: dict, cls: str) -> dict:
     """{'status', 'class', 'allowance', 'rows': [{figure, value, baseline, ratio, limit, status, source}]}."""
-    policy = baselines.get("policy", {})
-    default_allow = float(policy.get("allowance", DEFAULT_ALLOWANCE))
+    default_allow = float(baselines.get("policy", {}).get("allowance", DEFAULT_ALLOWANCE))
     stored = baselines.get("classes", {}).get(cls, {}).get("figures", {})
     rows = []
     for name, fig in sorted(figures.items()):
-        value = float(fig["value"] if isinstance(fig, dict) else fig)
-        base = stored.get(name)
+        fig = fig if isinstance(fig, dict) else {"value": fig}
+        value, base = float(fig["value"]), stored.get(name)
         row = {"figure": name, "value": value, "baseline": None, "ratio": None, "limit": None,
-               "status": NO_BASELINE, "source": None, "unit": fig.get("unit", "ms") if isinstance(fig, dict) else "ms"}
+               "status": NO_BASELINE, "source": None, "unit": fig.get("unit", "ms")}
         if base is not None:
-            b = float(base["value"])
-            allow = float(base.get("allowance", default_allow))
-            better = base.get("better", (fig.get("better") if isinstance(fig, dict) else None) or "lower")
-            if better == "lower":
-                limit = b * (1 + allow)
-                ok = value <= limit
-            else:
-                limit = b * (1 - allow)
-                ok = value >= limit
+            b, allow = float(base["value"]), float(base.get("allowance", default_allow))
+            better = base.get("better", fig.get("better") or "lower")
+            limit = b * (1 + allow) if better == "lower" else b * (1 - allow)
+            ok = value <= limit if better == "lower" else value >= limit
             row.update(baseline=b, ratio=value / b if b else None, limit=limit, allowance=allow, better=better,
                        status=PASS if ok else FAIL, source=base.get("source"))
         rows.append(row)
@@ -78,27 +68,22 @@ def compare(figures: dict, baselines: dict, cls: str) -> dict:
 
 def describe(result: dict) -> list[str]:
     """One line per figure, for logs and summary.md."""
-    lines = []
+    out = []
     for r in result["rows"]:
-        unit = r.get("unit", "ms")
-        if r["baseline"] is None:
-            lines.append(f"{r['figure']}: {r['value']:.4f} {unit}, no baseline for {result['class']} ({r['status']})")
-        else:
-            lines.append(f"{r['figure']}: {r['value']:.4f} {unit} vs baseline {r['baseline']:.4f} "
-                         f"(x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance {r['allowance']:.0%}, "
-                         f"{r.get('better', 'lower')} is better) {r['status']}")
-    return lines
+        head = f"{r['figure']}: {r['value']:.4f} {r.get('unit', 'ms')}"
+        out.append(f"{head}, no baseline for {result['class']} ({r['status']})" if r["baseline"] is None else
+                   f"{head} vs baseline {r['baseline']:.4f} (x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance "
+                   f"{r['allowance']:.0%}, {r.get('better', 'lower')} is better) {r['status']}")
+    return out
 
 
 def promote(headline: dict, baselines: dict, cls: str, *, commit: str, artifact: str | None = None,
             note: str | None = None) -> dict:
     """Store the headline figures as the class's baselines, each with where it came from."""
-    source = {"commit": commit, "date": headline.get("date"), "host": headline.get("host"),
-              "gpu": headline.get("gpu"), "torch": headline.get("torch"), "dtype": headline.get("dtype"),
-              "size": headline.get("size"), "artifact": artifact, "note": note,
-              "statistic": "median over repeats of the mean ms per call"}
     if headline.get("slowdown", 1.0) != 1.0:
         raise ValueError("refusing to promote figures measured with NSA_TEST_SLOWDOWN set")
+    source = {"commit": commit, **{k: headline.get(k) for k in ("date", "host", "gpu", "torch", "dtype", "size")},
+              "artifact": artifact, "note": note, "statistic": "median over repeats of the mean ms per call"}
     entry = baselines.setdefault("classes", {}).setdefault(cls, {"figures": {}})
     for name, fig in headline["figures"].items():
         entry["figures"][name] = {"value": round(float(fig["value"]), 6), "better": fig.get("better", "lower"),
@@ -109,20 +94,17 @@ def promote(headline: dict, baselines: dict, cls: str, *, commit: str, artifact:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("check", "promote"):
-        p = sub.add_parser(name)
-        p.add_argument("headline")
-        p.add_argument("--baselines", default=str(DEFAULT_BASELINES))
-        p.add_argument("--gpu-class", default=None, help="default: from the headline's GPU name")
-        if name == "check":
-            p.add_argument("--strict", action="store_true", help="a missing baseline fails too")
-            p.add_argument("--json", default=None, help="write the comparison here")
-        else:
-            p.add_argument("--commit", required=True)
-            p.add_argument("--artifact", default=None)
-            p.add_argument("--note", default=None)
+    ap.add_argument("cmd", choices=("check", "promote"))
+    ap.add_argument("headline")
+    ap.add_argument("--baselines", default=str(DEFAULT_BASELINES))
+    ap.add_argument("--gpu-class", default=None, help="default: from the headline's GPU name")
+    ap.add_argument("--strict", action="store_true", help="check: a missing baseline fails too")
+    ap.add_argument("--json", default=None, help="check: write the comparison here")
+    for opt in ("--commit", "--artifact", "--note"):
+        ap.add_argument(opt, default=None, help="promote (--commit required)")
     args = ap.parse_args(argv)
+    if args.cmd == "promote" and not args.commit:
+        ap.error("promote needs --commit SHA: every stored number records the commit it came from")
     headline = json.loads(Path(args.headline).read_text())
     cls = args.gpu_class or gpu_class(headline.get("gpu"))
     baselines = load_baselines(args.baselines)
@@ -131,16 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.baselines).write_text(json.dumps(baselines, indent=2) + "\n")
         print(f"bench gate: baselines for {cls} written to {args.baselines}")
         return 0
-    result = compare(headline["figures"], baselines, cls)
-    result["slowdown"] = headline.get("slowdown", 1.0)
-    for line in describe(result):
-        print(f"gate: {line}")
-    print(f"gate: {result['status']} ({cls}, allowance {result['allowance']:.0%})")
+    result = {**compare(headline["figures"], baselines, cls), "slowdown": headline.get("slowdown", 1.0)}
+    print("".join(f"gate: {line}\n" for line in describe(result)) + f"gate: {result['status']} ({cls}, allowance "
+          f"{result['allowance']:.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if result["status"] == FAIL or (args.strict and result["status"] == NO_BASELINE):
-        return 1
-    return 0
+    return int(result["status"] == FAIL or (args.strict and result["status"] == NO_BASELINE))
 
 
 if __name__ == "__main__":

@@ -3,143 +3,171 @@
     python -m ci.evidence.known_good [FILES_OR_DIRS ...] [--out-dir .]     (nox -s publish -- ...)
 
 Inputs: known_good.json files (ci/evidence/artifacts.py writes one per run directory) or directories searched for
-them; default: artifacts/*/*/*/known_good.json. The existing root known_good.json is merged too, so
-earlier entries stay. One entry per (cell, GPU set): the newest by date wins (a later input on a tie).
-Every entry's status is decided again here by ci.evidence.artifacts.verdict: a cell is known-good on a GPU only
-when every suite of that run passed with every package of the cell's lock installed at its locked version;
-suites that passed on another environment are `passes on host environment (N packages differ)`. When the
-newest run is not known-good, the table keeps the last known-good commit beside it.
+them; default: artifacts/. The existing root known_good.json is merged too, so earlier entries stay.
+Refused, with a message: an entry with no date (ISO 8601 with a UTC offset) or dated in the future beyond
+CLOCK_SKEW; a CI run that is not a push or schedule run on main (evidence for its change, not for this
+table). Every other entry's status is decided again by ci.evidence.artifacts.verdict. One entry per
+(cell, GPU set): the newest by date wins (a later input on a tie); when it is not known-good, the table
+keeps the last known-good commit beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import sys
 from pathlib import Path
 
-from ci.evidence.artifacts import HOST_ENV, KNOWN_GOOD, status_text, verdict
+from ci.evidence import artifacts as A
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "nsa-known-good/1"
 TABLE_SCHEMA = "nsa-known-good-table/1"
+CLOCK_SKEW = _dt.timedelta(minutes=10)
 
 
 def _entries(doc: dict) -> list[dict]:
-    if doc.get("schema") == TABLE_SCHEMA:
-        return list(doc.get("entries", []))
-    if doc.get("schema") == SCHEMA:
-        return [doc]
-    raise ValueError(f"not a known_good.json (schema {doc.get('schema')!r})")
+    if doc.get("schema") in (SCHEMA, TABLE_SCHEMA):
+        return list(doc.get("entries", [])) if doc["schema"] == TABLE_SCHEMA else [doc]
+    raise ValueError(f"not a known_good.json (schema {doc.get('schema')!r}; accepted: {SCHEMA}, {TABLE_SCHEMA})")
 
 
 def find_inputs(args: list[str], root: Path = ROOT) -> list[Path]:
     paths: list[Path] = []
-    for a in args or [str(root / "artifacts")]:
-        p = Path(a)
-        if p.is_dir():
-            paths += sorted(p.rglob("known_good.json"))
-        elif p.exists():
-            paths.append(p)
-        else:
-            raise FileNotFoundError(f"no such file or directory: {a}")
+    for p in map(Path, args or [str(root / "artifacts")]):
+        if not p.exists():
+            raise FileNotFoundError(f"no such file or directory: {p}")
+        paths += sorted(p.rglob("known_good.json")) if p.is_dir() else [p]
     return paths
 
 
-def key(entry: dict) -> tuple[str, str]:
-    return (str(entry.get("cell")), str(entry.get("gpu_slug") or entry.get("gpu")))
+def refusal(entry: dict, now: _dt.datetime) -> str | None:
+    """Why an entry may not enter the table at all, or None."""
+    date = A.parse_date(entry.get("date"))
+    if date is None:
+        return f"date {entry.get('date')!r} is not an ISO 8601 time with a UTC offset"
+    if date > now + CLOCK_SKEW:
+        return f"dated {entry['date']}, in the future (now {now.isoformat(timespec='seconds')}, allowance {CLOCK_SKEW})"
+    gh = entry.get("github")
+    if gh and (gh.get("event") not in A.CERTIFYING_EVENTS or gh.get("ref") != A.MAIN_REF):
+        return (f"a {gh.get('event')} run on {gh.get('ref')}: evidence for that change, not for this table "
+                f"(accepted: local runs, push or schedule runs on {A.MAIN_REF})")
+    return None
 
 
-def merge(docs: list[dict]) -> list[dict]:
-    """Newest entry per (cell, GPU set); `last_known_good` remembers the newest passing one when that differs."""
+def merge(docs: list[dict], now: _dt.datetime | None = None, refused: list[str] | None = None) -> list[dict]:
+    """Newest admitted entry per (cell, GPU set); `last_known_good` remembers the newest passing one."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
     best: dict[tuple, dict] = {}
     good: dict[tuple, dict] = {}
+
+    def newer(e, than):
+        return than is None or A.parse_date(e.get("date")) >= A.parse_date(than.get("date"))
+
     for doc in docs:
         for e in _entries(doc):
-            e = {**e, **dict(zip(("status", "reason"), verdict(e)))}
-            k = key(e)
-            if k not in best or str(e.get("date", "")) >= str(best[k].get("date", "")):
+            why = refusal(e, now)
+            if why:
+                (refused if refused is not None else []).append(f"{e.get('cell')} x {e.get('gpu_slug')} "
+                                                                f"({e.get('commit')}): {why}")
+                continue
+            e = {**e, **dict(zip(("status", "reason"), A.verdict(e)))}
+            k = (str(e.get("cell")), str(e.get("gpu_slug") or e.get("gpu")))
+            if newer(e, best.get(k)):
                 best[k] = e
-            newer = k not in good or str(e.get("date", "")) >= str(good[k].get("date", ""))
-            if e.get("status") == KNOWN_GOOD and newer:
+            if e["status"] == A.KNOWN_GOOD and newer(e, good.get(k)):
                 good[k] = e
-            prev = e.get("last_known_good")
-            if prev and (k not in good or str(prev.get("date", "")) > str(good[k].get("date", ""))):
+            prev = e.get("last_known_good") or {}
+            if A.parse_date(prev.get("date")) and refusal(prev, now) is None and newer(prev, good.get(k)):
                 good[k] = prev
     out = []
     for k in sorted(best):
-        e = dict(best[k])
-        g = good.get(k)
-        if e.get("status") != KNOWN_GOOD and g is not None:
+        e, g = dict(best[k]), good.get(k)
+        e.pop("last_known_good", None)
+        if e["status"] != A.KNOWN_GOOD and g is not None:
             e["last_known_good"] = {"commit": g.get("commit"), "date": g.get("date")}
-        elif e.get("status") == KNOWN_GOOD:
-            e.pop("last_known_good", None)
         out.append(e)
     return out
 
 
-SECTIONS = (
-    (KNOWN_GOOD, "Known-good", "Every suite passed with every package of the cell's lock installed at its locked "
-     "version (in the cell's image, a venv made from its lock, or a host brought to the lock). Extra packages "
-     "are listed, not fatal."),
-    (HOST_ENV, "Passes on a host environment", "Every suite passed, but on an environment that is not the "
-     "cell's lock: packages of the lock were missing or at other versions. Evidence that the code works "
-     "there, not that the cell's lock does."),
-    (None, "Failing or incomplete", "The newest run of these failed a suite or did not run them all."),
+SECTIONS = (  # (status, title, what); None: every other status
+    (A.KNOWN_GOOD, "Known-good", "Every planned suite ran and passed in one run of a clean committed tree, locally or "
+     "in a push or schedule run on main, with every package of the cell's lock at its locked version (extra "
+     "packages are listed, not fatal)."),
+    (A.HOST_ENV, "Passes on a host environment", "As known-good, but packages of the lock were missing or at other "
+     "versions: evidence that the code works there, not that the cell's lock does."),
+    (A.EVIDENCE, "Passes, evidence only", "Every suite passed, but the run cannot certify its commit: uncommitted "
+     "changes, an unchecked tree, an unknown commit, or no run id (older records)."),
+    (None, "Failing or incomplete", "The newest run of these failed a suite, was cut off, or did not run them all."),
 )
 
 
-def render_md(entries: list[dict]) -> str:
-    lines = [
-        "# Known-good configurations",
-        "",
-        "Cell (requirements/matrix.toml) x GPU, from the GPU sessions' artifacts (docs/gpu-suites.md).",
-        "Regenerate with `nox -s publish` (ci/evidence/known_good.py); do not edit.",
-    ]
+# GPU classes CI targets, and why a class has no run where none is recorded.
+GPU_CLASSES = {"A100": "no A100 runner or machine has run the suites yet", "H100": "not run on an H100 yet",
+               "H200": "not run on an H200 yet"}
+
+
+def coverage(entries: list[dict], cells: list[str]) -> list[str]:
+    """Per GPU class: the cells proven known-good, those with other results, and how many were never run."""
+    lines = ["", "## Coverage", "", "Which GPU cells of the matrix each GPU class has proven. A cell not named "
+             "here has not been run on that class.", ""]
+    for cls, why in GPU_CLASSES.items():
+        seen = {e["cell"]: e["status"] for e in entries if cls in str(e.get("gpu")).upper()}
+        good = sorted(c for c, s in seen.items() if s == A.KNOWN_GOOD)
+        other = sorted(f"{c} ({s})" for c, s in seen.items() if s != A.KNOWN_GOOD)
+        unrun = len([c for c in cells if c not in seen])
+        lines.append(f"- **{cls}**: known-good: {', '.join(good) or 'none'}; other results: "
+                     f"{', '.join(other) or 'none'}; {unrun} of {len(cells)} GPU cells not run"
+                     + (f" ({why})" if not seen else ""))
+    return lines
+
+
+def render_md(entries: list[dict], cells: list[str] | None = None) -> str:
+    from ci.matrix import load
+
+    cells = cells if cells is not None else [c.id for c in load().cells if not c.cpu_only]
+    lines = ["# Known-good configurations", "",
+             "Cell (requirements/matrix.toml) x GPU, from the GPU sessions' artifacts (docs/gpu-suites.md).",
+             "Regenerate with `nox -s publish` (ci/evidence/known_good.py); do not edit.", *coverage(entries, cells)]
+    named = {s for s, *_ in SECTIONS if s}
     for status, title, what in SECTIONS:
-        rows = [e for e in entries if e.get("status") == status or (status is None and e.get("status") not in
-                                                                     (KNOWN_GOOD, HOST_ENV))]
+        rows = [_row(e) for e in entries if e.get("status") == status or (status is None and e["status"] not in named)]
         lines += ["", f"## {title}", "", what, "",
                   "| Cell | GPU | Status | Date | Commit | Versions | Lock | Suites | Headline figures |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        lines += [_row(e) for e in rows] or ["| - | - | none | | | | | | |"]
+                  "|---|---|---|---|---|---|---|---|---|", *(rows or ["| - | - | none | | | | | | |"])]
     return "\n".join(lines) + "\n"
 
 
 def _row(e: dict) -> str:
-    v = e.get("versions") or {}
-    gpu = e.get("gpu") or "?"
-    if (e.get("gpu_count") or 1) > 1:
-        gpu = f"{e['gpu_count']} x {gpu}"
-    if e.get("driver"):
-        gpu += f" (driver {e['driver']})"
-    status = status_text(e)
-    status = f"**{status}**" if e.get("status") == KNOWN_GOOD else status
+    v, chk = e.get("versions") or {}, e.get("lock_check") or {}
+    gpu = (f"{e['gpu_count']} x " if (e.get("gpu_count") or 1) > 1 else "") + str(e.get("gpu") or "?")
+    gpu += f" (driver {e['driver']})" if e.get("driver") else ""
+    status = f"**{A.status_text(e)}**" if e.get("status") == A.KNOWN_GOOD else A.status_text(e)
     if e.get("last_known_good"):
         lk = e["last_known_good"]
-        status += f" (last known-good: {lk.get('commit')}, {str(lk.get('date'))[:10]})"
+        status += f" (last known-good: {str(lk.get('commit'))[:12]}, {str(lk.get('date'))[:10]})"
     versions = (f"torch {v.get('torch')}, triton {v.get('triton')}, CUDA {v.get('cuda')}, "
                 f"Python {v.get('python')}, flash-attn {v.get('flash_attn') or 'none'}")
-    chk = e.get("lock_check") or {}
     lock = (f"{chk.get('matching', '?')} as locked, {chk.get('missing', '?')} missing, "
             f"{chk.get('wrong_version', '?')} other version, {chk.get('extra', '?')} extra") if chk else "not checked"
+    if e.get("overlay"):  # ci/sessions/overlay.py: the host's Python plus the lock's own wheels
+        lock += f"; overlay venv: {len(e['overlay']['install'])} package(s) from the lock's wheels over the host's"
     suites = ", ".join(f"{n} {s.get('status')}" for n, s in sorted((e.get("suites") or {}).items()))
     head = ", ".join(f"{n} {val:g} ms" for n, val in sorted((e.get("headline") or {}).items()))
-    if e.get("bench_gate"):
-        head += f" (gate {e['bench_gate']})"
-    commit = str(e.get("commit")) + (" (dirty)" if e.get("dirty") else "")
+    head += f" (gate {e['bench_gate']})" if e.get("bench_gate") else ""
+    commit = str(e.get("commit"))[:12] + (" (dirty)" if e.get("dirty") else "")
     return (f"| {e.get('cell')} | {gpu} | {status} | {str(e.get('date'))[:10]} | {commit} | {versions} | {lock} "
             f"| {suites} | {head or '-'} |")
 
 
-def publish(inputs: list[Path], out_dir: Path = ROOT) -> list[dict]:
-    docs = []
+def publish(inputs: list[Path], out_dir: Path = ROOT, now: _dt.datetime | None = None,
+            refused: list[str] | None = None) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
     existing = out_dir / "known_good.json"
-    if existing.exists() and existing.resolve() not in {p.resolve() for p in inputs}:
-        docs.append(json.loads(existing.read_text()))
-    for p in inputs:
-        docs.append(json.loads(Path(p).read_text()))
-    entries = merge(docs)
+    keep = existing.exists() and existing.resolve() not in {p.resolve() for p in inputs}
+    docs = [json.loads(p.read_text()) for p in [existing] * keep + [Path(p) for p in inputs]]
+    entries = merge(docs, now, refused)
     (out_dir / "known_good.json").write_text(json.dumps({"schema": TABLE_SCHEMA, "entries": entries}, indent=2) + "\n")
     (out_dir / "KNOWN_GOOD.md").write_text(render_md(entries))
     return entries
@@ -152,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
     inputs = [p for p in find_inputs(args.inputs) if p.resolve() != (out_dir / "known_good.json").resolve()]
-    entries = publish(inputs, out_dir)
-    print(f"publish: {len(inputs)} input(s) -> {len(entries)} entr(y/ies) in {out_dir / 'KNOWN_GOOD.md'}")
+    refused: list[str] = []
+    entries = publish(inputs, out_dir, refused=refused)
+    print("".join(f"publish: refused {why}\n" for why in refused), end="", file=sys.stderr)
+    print(f"publish: {len(inputs)} input(s), {len(refused)} entr(y/ies) refused -> {len(entries)} entr(y/ies) in "
+          f"{out_dir / 'KNOWN_GOOD.md'}")
     for e in entries:
         print(f"  {e.get('cell')} x {e.get('gpu_slug')}: {e.get('status')} ({e.get('commit')}, {e.get('date')})")
     return 0

@@ -1,29 +1,24 @@
 """Generate and check the hash-pinned locks of requirements/matrix.toml.
 
     python -m ci.locks                    # relock every cell, requirements/bootstrap.txt and locks/tools.txt
-    python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools")
-    python -m ci.locks --check            # offline: fail when any lock is stale or malformed
+    python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools", "lint")
+    python -m ci.locks --upgrade [CELL]   # relock afresh: the newest versions the inputs allow
+    python -m ci.locks --check            # offline: fail when any lock is stale, malformed or edited by hand
+    python -m ci.locks --check --resolve  # and re-resolve every lock with uv (needs the package indexes)
     python -m ci.locks --outdated         # ask PyPI what is newer than the matrix (ci/matrix/outdated.py)
     (`nox -s lock`, `nox -s lock -- --check` and `nox -s lock -- --outdated` run exactly these.)
 
-How a cell lock is made: `uv pip compile` cross-resolves the cell's layers (requirements/<layer>.in,
-matrix `defaults.layers`, plus `source_build_layers` for cells that build flash-attn) together with the
-cell's own pins from the matrix (torch, triton, `pins`) for the cell's Python and the matrix's platform,
-with `--generate-hashes`, without index or find-links lines. The header records the tool, its version,
-the target, and `inputs-sha256`: a digest of everything the lock was made from (the cell's matrix entry,
-the layer files, the platform, the lock format). `--check` recomputes that digest (fast, offline) and
-also checks the body: torch and triton are the matrix's, every requirement has a hash, nothing
-machine-local leaked in. A full re-resolve is simply relocking (needs PyPI).
-
-A GPU cell's flash-attn is pinned beside its lock, in requirements/locks/<cell>.flash-attn.txt: upstream's
-wheel by URL and sha256, or the PyPI source package by its sha256 (built with --no-build-isolation against
-the installed torch). It is a pure function of the matrix (no resolution), so `--check` compares it with
-what the matrix says byte for byte. The GPU nox sessions and the Docker build install it after the lock.
-
-Torch builds that PyPI does not carry (the CPU cell's 2.13.0+cpu) come from the cell's index (PyTorch's,
-ci.matrix.Matrix.index_url), or from a find-links folder given in NSA_LOCK_FIND_LINKS (else pip's
-PIP_FIND_LINKS) where that index is out of reach. The wheel's sha256 must equal the matrix's
-`torch_sha256`. Needs uv and packaging (requirements/bootstrap.txt).
+A cell lock is `uv pip compile --generate-hashes` of the cell's layers (requirements/<layer>.in, matrix
+`defaults.layers`, plus `source_build_layers` for cells that build flash-attn) with the cell's own pins
+(torch, triton, `pins`), for the cell's Python and the matrix's platform, from the cell's index (or a
+find-links folder in NSA_LOCK_FIND_LINKS, else PIP_FIND_LINKS, where it is out of reach), starting from
+the lock's current pins, with no index or find-links line. Its header records `inputs-sha256` (the cell's
+matrix entry, layer files, platform, lock format) and `lock-sha256` (the file without that line). `--check`
+(offline) fails a lock whose inputs changed, whose body is not strictly hash-pinned `name==version [;
+marker]` lines and comments, whose content is not what the generator wrote, or whose torch/triton/pins are
+not the matrix's; `--resolve` also proves each lock a fixed point of resolving its inputs from its pins.
+A GPU cell's flash-attn pin (locks/<cell>.flash-attn.txt: upstream's wheel by URL and sha256, or the PyPI
+source package) is a pure function of the matrix, compared byte for byte. Needs uv and packaging.
 """
 
 from __future__ import annotations
@@ -51,15 +46,12 @@ UNIVERSAL_PYTHON = "3.10"  # bootstrap and tools locks resolve for every Python 
 # Every lock: hashes, no index or find-links lines (they stay on the machine that made it), our own header.
 UV_FLAGS = ["--generate-hashes", "--no-emit-index-url", "--no-emit-find-links", "--no-header",
             "--annotation-style=split"]
-# Text that must never reach a committed lock: machine-local paths, file URLs, index/find-links lines.
-FORBIDDEN = [
-    (re.compile(r"file:"), "a file: URL"),
-    (re.compile(r"(^|\s)/(opt|work|tmp|root|home|var)/"), "a machine-local path"),
-    (
-        re.compile(r"^\s*(--index-url|--extra-index-url|-i\s|--find-links|-f\s)", re.M),
-        "an index/find-links line",
-    ),
-]
+# Text that must never reach a committed lock, comments included: machine-local paths, file URLs.
+FORBIDDEN = [(re.compile(r"file:"), "a file: URL"),
+             (re.compile(r"(^|\s)/(opt|work|tmp|root|home|var)/"), "a machine-local path")]
+# The only requirement form a lock may hold (`pip install --require-hashes --no-deps` takes it as it is).
+STRICT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+(\s*;[^;]*?)?(\s+--hash=sha256:[0-9a-f]{64})+")
+SEAL = "# lock-sha256: "
 
 
 class LockError(RuntimeError):
@@ -77,25 +69,32 @@ class Pinned:
     hashes: tuple[str, ...]
 
 
+def logical_lines(text: str):
+    """(line number, line) of each requirement or option: comments dropped, continuation lines joined."""
+    end = 0
+    for chunk in re.split(r"(?<!\\)\n", text):
+        start, end = end + 1, end + chunk.count("\n") + 1
+        line = re.sub(r"\s*\\\n\s*", " ", chunk).strip()
+        if line and not line.startswith("#"):
+            yield start, line.split(" #", 1)[0].strip()
+
+
 def iter_lock(text: str):
-    """Every requirement of a lock: `name==version [; marker] \\` then `--hash=sha256:...` lines, or
+    """Every requirement of a lock: `name==version [; marker]` then `--hash=sha256:...` lines, or
     `name @ URL`. A universal lock lists a name once per environment marker: each line is yielded."""
-    for raw in re.sub(r"\\\n", " ", text).splitlines():
-        line = raw.split(" #", 1)[0].strip()
-        if not line or line.startswith(("#", "-")):  # comments; pip options are forbidden_content()'s
+    for _, line in logical_lines(text):
+        if line.startswith("-"):  # pip options: lint_lock's
             continue
         spec, *options = re.split(r"\s+(?=--)", line)
         try:
             req = Requirement(spec)
             exact = [s.version for s in req.specifier if s.operator == "=="]
-            if req.url:  # InvalidWheelFilename (a ValueError) for anything but a wheel
-                version = str(parse_wheel_filename(unquote(req.url.rsplit("/", 1)[-1]))[1])
-            elif len(exact) == 1 and len(req.specifier) == 1:
-                version = exact[0]
-            else:
+            if not req.url and (len(exact) != 1 or len(req.specifier) != 1):
                 raise ValueError("not pinned to exactly one version")
+            # A URL's version is its wheel's (InvalidWheelFilename, a ValueError, for anything but a wheel).
+            version = str(parse_wheel_filename(unquote(req.url.rsplit("/", 1)[-1]))[1]) if req.url else exact[0]
         except (InvalidRequirement, ValueError) as e:
-            raise LockError(f"unparseable lock line: {raw.strip()[:100]!r} ({e})") from None
+            raise LockError(f"unparseable lock line: {line[:100]!r} ({e})") from None
         hashes = tuple(o.split(":", 1)[1] for o in options if o.startswith("--hash=sha256:"))
         yield Pinned(canonicalize_name(req.name), version, req.url or "", str(req.marker or ""), hashes)
 
@@ -105,35 +104,45 @@ def parse_lock(text: str) -> dict[str, Pinned]:
     return {r.name: r for r in iter_lock(text)}
 
 
+def lint_lock(text: str) -> list[str]:
+    """Every line of a cell or tool lock that is not `name==version [; marker]` with --hash=sha256: lines
+    (or a comment): option lines (-r, -c, -e, --trusted-host, --index-url, ...), URL and VCS requirements,
+    unhashed or unpinned ones. pip would follow each of them; the generator writes none."""
+    problems = []
+    for n, line in logical_lines(text):
+        if STRICT.fullmatch(line):
+            continue
+        what = (f"a pip option line ({line.split()[0]})" if line.startswith("-")
+                else "a URL or VCS requirement" if "://" in line or re.match(r"[^\s;]+\s*@", line)
+                else "a requirement without --hash=sha256" if "--hash=sha256:" not in line
+                else "not `name==version [; marker]` with --hash=sha256: lines")
+        problems.append(f"line {n}: {what}: {line[:90]!r}; a lock holds only hash-pinned `name==version` lines")
+    return problems
+
+
+def seal_digest(text: str) -> str:
+    """sha256 of a lock without its lock-sha256 line: any other edit changes it."""
+    kept = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(SEAL))
+    return hashlib.sha256(kept.encode()).hexdigest()
+
+
 def header_fields(text: str) -> dict[str, str]:
-    """`# key: value` lines of the header."""
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        m = re.match(r"#\s*([a-z0-9-]+):\s*(.*)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
-    return out
+    """`# key: value` lines of the header (the comment lines before the first requirement)."""
+    header = re.match(r"(#[^\n]*\n)*", text).group(0)
+    return {k: v.strip() for k, v in re.findall(r"^#\s*([a-z0-9-]+):\s*(.*)$", header, re.M)}
 
 
 # --- inputs ------------------------------------------------------------------------------------------
 
 
 def layers_for(matrix: Matrix, cell: Cell) -> list[str]:
-    layers = matrix.layers
-    if cell.flash_attn.source == "source":
-        layers = layers + list(matrix.defaults.get("source_build_layers", []))
-    return layers
+    return matrix.layers + (list(matrix.defaults.get("source_build_layers", [])) if cell.flash_attn.source == "source"
+                            else [])
 
 
 def cell_requirements(cell: Cell) -> list[str]:
     """The cell's own exact pins, resolved together with the layers."""
-    reqs = [f"torch=={cell.torch}"]
-    if cell.triton != "none":
-        reqs.append(f"triton=={cell.triton}")
-    reqs.extend(cell.pins)
-    return reqs
+    return [f"torch=={cell.torch}", *([f"triton=={cell.triton}"] if cell.triton != "none" else []), *cell.pins]
 
 
 def _normalized(path: Path) -> str:
@@ -141,25 +150,22 @@ def _normalized(path: Path) -> str:
     return "\n".join(line.rstrip() for line in path.read_text().strip().splitlines())
 
 
+def _sha(doc: dict) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
 # The cell fields a lock is resolved from; the others (images, GPU archs, index, description) leave it valid.
 RESOLUTION_FIELDS = ("id", "python", "cuda", "cpu_only", "torch", "torch_sha256", "triton", "flash_attn", "pins")
 
 
 def inputs_digest(matrix: Matrix, cell: Cell) -> str:
-    req_dir = matrix.path.parent
-    doc = {
-        "format": LOCK_FORMAT,
-        "platform": matrix.platform,
-        "cell": {k: v for k, v in cell.raw.items() if k in RESOLUTION_FIELDS},
-        "requirements": cell_requirements(cell),
-        "layers": {name: _normalized(req_dir / f"{name}.in") for name in layers_for(matrix, cell)},
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    layers = {name: _normalized(matrix.path.parent / f"{name}.in") for name in layers_for(matrix, cell)}
+    return _sha({"format": LOCK_FORMAT, "platform": matrix.platform, "requirements": cell_requirements(cell),
+                 "cell": {k: v for k, v in cell.raw.items() if k in RESOLUTION_FIELDS}, "layers": layers})
 
 
 def universal_digest(in_file: Path) -> str:
-    doc = {"format": LOCK_FORMAT, "python": UNIVERSAL_PYTHON, "input": _normalized(in_file)}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return _sha({"format": LOCK_FORMAT, "python": UNIVERSAL_PYTHON, "input": _normalized(in_file)})
 
 
 def lock_path(matrix: Matrix, cell_id: str) -> Path:
@@ -181,12 +187,8 @@ def platform_tags(platform: str) -> list[str]:
     tags only): manylinux_2_28 down to manylinux_2_5, their legacy aliases, and plain linux."""
     arch, _, glibc = platform.partition("-manylinux_2_")
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-    tags = []
-    for minor in range(int(glibc), 4, -1):
-        tags.append(f"manylinux_2_{minor}_{arch}")
-        if minor in legacy:
-            tags.append(f"{legacy[minor]}_{arch}")
-    return [*tags, f"linux_{arch}"]
+    tags = [t for minor in range(int(glibc), 4, -1) for t in (f"manylinux_2_{minor}", legacy.get(minor)) if t]
+    return [f"{t}_{arch}" for t in [*tags, "linux"]]
 
 
 def download_wheels(matrix: Matrix, cell: Cell, dest: Path, index_args: list[str] = (),
@@ -197,19 +199,17 @@ def download_wheels(matrix: Matrix, cell: Cell, dest: Path, index_args: list[str
     with tempfile.TemporaryDirectory(prefix="nsa-wheels-") as tmp:
         reqs = lock_path(matrix, cell.id)
         if only is not None:
-            pins = parse_lock(reqs.read_text())
-            unknown = {canonicalize_name(n) for n in only} - set(pins)
-            if unknown:
-                raise LockError(f"{cell.id}: not in the lock: {sorted(unknown)}")
+            want = {canonicalize_name(n) for n in only}
+            pins = [p for p in parse_lock(reqs.read_text()).values() if p.name in want]
+            if want - {p.name for p in pins}:
+                raise LockError(f"{cell.id}: not in the lock: {sorted(want - {p.name for p in pins})}")
             reqs = Path(tmp) / "only.txt"
-            reqs.write_text("".join(f"{p.name}=={p.version} " + " ".join(f"--hash=sha256:{h}" for h in p.hashes)
-                                    + "\n" for p in pins.values() if p.name in {canonicalize_name(n) for n in only}))
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--progress-bar", "off", "--require-hashes",
-             "--only-binary=:all:", "--implementation", "cp", "--python-version", cell.python.replace(".", ""),
-             *platforms, *index_args, "-d", str(dest), "-r", str(reqs)],
-            check=True,
-        )
+            reqs.write_text("".join(f"{p.name}=={p.version} {' '.join('--hash=sha256:' + h for h in p.hashes)}\n"
+                                    for p in pins))
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--progress-bar", "off",
+                        "--require-hashes", "--only-binary=:all:", "--implementation", "cp", "--python-version",
+                        cell.python.replace(".", ""), *platforms, *index_args, "-d", str(dest), "-r", str(reqs)],
+                       check=True)
     return sorted(dest.glob("*.whl"))
 
 
@@ -222,10 +222,9 @@ def uv_bin() -> str:
 
         return uv.find_uv_bin()
     except (ImportError, FileNotFoundError):
-        found = shutil.which("uv")
-        if not found:
-            raise LockError("uv not found: install requirements/bootstrap.txt (it pins uv)") from None
-        return found
+        if found := shutil.which("uv"):
+            return found
+        raise LockError("uv not found: install requirements/bootstrap.txt (it pins uv)") from None
 
 
 def uv_version(uv: str) -> str:
@@ -233,64 +232,58 @@ def uv_version(uv: str) -> str:
 
 
 def _find_links() -> list[str]:
-    value = os.environ.get("NSA_LOCK_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS") or ""
-    return value.split()
+    return (os.environ.get("NSA_LOCK_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS") or "").split()
 
 
-def _run_uv(uv: str, args: list[str], cwd: Path, previous: Path) -> str:
-    """`uv pip compile`, starting from the previous lock's pins (uv keeps the versions of an existing
-    output file that still satisfy the inputs), so that relocking changes only what its inputs changed."""
+def _run_uv(uv: str, args: list[str], cwd: Path, previous: str) -> str:
+    """`uv pip compile`, preferring the `name==version` pins of `previous` (uv keeps an existing output's
+    versions that still satisfy the inputs): relocking changes only what the inputs changed, a consistent
+    lock resolves to itself, and no option line a hand edit added reaches uv."""
     env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
     with tempfile.TemporaryDirectory(prefix="nsa-uv-") as tmp:
         out = Path(tmp) / "lock.txt"
-        out.write_text(previous.read_text() if previous.exists() else "")
-        proc = subprocess.run(
-            [uv, "pip", "compile", "--no-config", "--quiet", *args, "--output-file", str(out)],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        out.write_text("".join(f"{p.name}=={p.version}{' ; ' + p.marker if p.marker else ''}\n"
+                               for p in iter_lock(previous) if not p.url))
+        proc = subprocess.run([uv, "pip", "compile", "--no-config", "--quiet", *args, "--output-file", str(out)],
+                              cwd=cwd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise LockError(f"uv pip compile failed:\n{proc.stderr.strip()}")
         return out.read_text()
 
 
-def _scrub(text: str, replacements: dict[str, str]) -> str:
-    for old, new in replacements.items():
-        if old:
-            text = text.replace(old, new)
-    return text
-
-
 def forbidden_content(text: str) -> list[str]:
-    return [
-        f"contains {what}: {m.group(0).strip()!r}" for rx, what in FORBIDDEN for m in [rx.search(text)] if m
-    ]
+    return [f"contains {what}: {m.group(0).strip()!r}" for rx, what in FORBIDDEN for m in [rx.search(text)] if m]
 
 
-def compile_cell(matrix: Matrix, cell: Cell, uv: str | None = None) -> Path:
-    uv = uv or uv_bin()
+def resolve_cell(matrix: Matrix, cell: Cell, uv: str, previous: str) -> str:
+    """The lock body `uv pip compile` gives for the cell's inputs, preferring the pins of `previous`."""
     req_dir = matrix.path.parent
     root = req_dir.parent
-    layers = layers_for(matrix, cell)
     # The cell's own index; a find-links folder of wheels stands in for it where it is out of reach.
     links = _find_links() if cell.torch_index != "pypi" else []
     extra = [a for link in links for a in ("--find-links", link)] or matrix.pip_index_args(cell)
     with tempfile.TemporaryDirectory(prefix="nsa-lock-") as tmp:
         cell_in = Path(tmp) / "cell.in"
         cell_in.write_text("\n".join(cell_requirements(cell)) + "\n")
-        inputs = [*[str((req_dir / f"{name}.in").relative_to(root)) for name in layers], str(cell_in)]
+        inputs = [*[str((req_dir / f"{name}.in").relative_to(root)) for name in layers_for(matrix, cell)], str(cell_in)]
         args = [*inputs, *UV_FLAGS, "--python-platform", matrix.platform, "--python-version", cell.python, *extra]
-        body = _run_uv(uv, args, cwd=root, previous=lock_path(matrix, cell.id))
-        body = _scrub(body, {str(cell_in): f"{matrix.path.relative_to(root)} (cell {cell.id})", tmp: "<tmp>"})
+        body = _run_uv(uv, args, cwd=root, previous=previous)
+        body = body.replace(str(cell_in), f"{matrix.path.relative_to(root)} (cell {cell.id})").replace(tmp, "<tmp>")
     for link in _find_links():
-        body = _scrub(body, {link: "<find-links>"})
+        body = body.replace(link, "<find-links>")
+    return body
 
-    reqs = parse_lock(body)
-    _check_pins(cell, reqs)
+
+def compile_cell(matrix: Matrix, cell: Cell, uv: str | None = None, upgrade: bool = False) -> Path:
+    """Relock the cell from its current pins or, with `upgrade`, afresh (the newest versions its inputs allow)."""
+    uv = uv or uv_bin()
+    out = lock_path(matrix, cell.id)
+    body = resolve_cell(matrix, cell, uv, "" if upgrade else (out.read_text() if out.exists() else ""))
+    problems = check_body(cell, parse_lock(body))
+    if problems:
+        raise LockError(f"cell {cell.id}: " + "; ".join(problems))
     write_flash_lock(matrix, cell)
-    return _write(lock_path(matrix, cell.id), _cell_header(matrix, cell, layers, uv_version(uv)) + body)
+    return _write(out, _cell_header(matrix, cell, layers_for(matrix, cell), uv_version(uv)) + body, seal=True)
 
 
 # --- flash-attn beside the lock ------------------------------------------------------------------------
@@ -319,27 +312,18 @@ def flash_lock_text(matrix: Matrix, cell: Cell) -> str | None:
     fa = cell.flash_attn
     if fa.source == "none":
         return None
-    name = flash_lock_path(matrix, cell.id).name
     args, env = flash_install_args(matrix, cell)
-    install = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "pip install", *args[:-1], name])
-    if fa.source == "wheel":
-        what = f"upstream's release wheel {fa.wheel}, by URL and sha256"
-        req = f"flash-attn @ {matrix.flash_wheel_url(cell)}"
-        sha = fa.sha256
-    else:
-        what = (f"the PyPI source package flash_attn-{fa.version}.tar.gz, compiled for sm "
-                f"{' '.join(sorted(cell.gpu_archs, key=float))} (needs nvcc of CUDA {cell.cuda.split('.')[0]}.x "
-                "and several GiB of memory per MAX_JOBS; an hour or more)")
-        req = f"flash-attn=={fa.version}"
-        sha = matrix.flash_sdist_sha256(fa.version)
-    return (
-        f"# flash-attn of cell {cell.id}: generated by `nox -s lock -- {cell.id}` from requirements/matrix.toml. "
-        "Do not edit.\n"
-        f"# What: {what}.\n"
-        f"# Install after {lock_path(matrix, cell.id).name}, into the same environment:\n"
-        f"#   {install}\n"
-        f"{req} \\\n    --hash=sha256:{sha}\n"
-    )
+    install = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "pip install", *args[:-1],
+                        flash_lock_path(matrix, cell.id).name])
+    what, req, sha = (f"upstream's release wheel {fa.wheel}, by URL and sha256",
+                      f"flash-attn @ {matrix.flash_wheel_url(cell)}", fa.sha256) if fa.source == "wheel" else (
+        f"the PyPI source package flash_attn-{fa.version}.tar.gz, compiled for sm "
+        f"{' '.join(sorted(cell.gpu_archs, key=float))} (needs nvcc of CUDA {cell.cuda.split('.')[0]}.x "
+        "and several GiB of memory per MAX_JOBS; an hour or more)",
+        f"flash-attn=={fa.version}", matrix.flash_sdist_sha256(fa.version))
+    return (f"# flash-attn of cell {cell.id}: generated by `nox -s lock -- {cell.id}` from requirements/matrix.toml. "
+            f"Do not edit.\n# What: {what}.\n# Install after {lock_path(matrix, cell.id).name}, into the same "
+            f"environment:\n#   {install}\n{req} \\\n    --hash=sha256:{sha}\n")
 
 
 def write_flash_lock(matrix: Matrix, cell: Cell) -> Path | None:
@@ -352,72 +336,61 @@ def write_flash_lock(matrix: Matrix, cell: Cell) -> Path | None:
     return _write(out, text)
 
 
-def _write(out: Path, text: str) -> Path:
-    problems = forbidden_content(text)
+def _write(out: Path, text: str, seal: bool = False) -> Path:
+    """Write a lock; `seal` (cell and tool locks): lint it, and add lock-sha256 as its last header line."""
+    problems = forbidden_content(text) + (lint_lock(text) if seal else [])
     if problems:
         raise LockError(f"{out.name}: refusing to write the lock: " + "; ".join(problems))
+    if seal:
+        text = text.replace("\n#\n", f"\n{SEAL}{seal_digest(text)}\n#\n", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     return out
 
 
 def _cell_header(matrix: Matrix, cell: Cell, layers: list[str], uv_ver: str) -> str:
-    fa = cell.flash_attn
-    if fa.source == "none":
-        fa_s = f"none ({matrix.flash_none_reason(cell)})"
-    else:
-        kind = "upstream wheel" if fa.source == "wheel" else "source package, compiled"
-        fa_s = f"{fa.version} ({kind}): pinned in {flash_lock_path(matrix, cell.id).name}, installed after this lock"
-    cuda = "none (CPU)" if cell.cpu_only else cell.cuda
-    index = matrix.index_url(cell, environ={})
-    return (
-        f"# Lock of cell {cell.id}: generated by `nox -s lock -- {cell.id}`. Do not edit.\n"
-        f"# Install exactly: pip install --require-hashes --no-deps{' --extra-index-url ' + index if index else ''}"
-        f" -r {lock_path(matrix, cell.id).name}\n"
-        f"# lock-format: {LOCK_FORMAT}\n"
-        f"# cell: {cell.id}\n"
-        f"# python: {cell.python}\n"
-        f"# platform: {matrix.platform}\n"
-        f"# cuda: {cuda}\n"
-        f"# torch: {cell.torch}\n"
-        f"# triton: {cell.triton}\n"
-        f"# flash-attn: {fa_s}\n"
-        f"# layers: {' '.join(layers)}\n"
-        f"# resolver: uv {uv_ver} pip compile --generate-hashes --python-platform {matrix.platform} "
-        f"--python-version {cell.python} --no-emit-index-url --no-emit-find-links\n"
-        f"# inputs-sha256: {inputs_digest(matrix, cell)}\n"
-        "#\n"
-    )
+    fa, index = cell.flash_attn, matrix.index_url(cell, environ={})
+    kind = "upstream wheel" if fa.source == "wheel" else "source package, compiled"
+    fields = {
+        "lock-format": LOCK_FORMAT, "cell": cell.id, "python": cell.python, "platform": matrix.platform,
+        "cuda": "none (CPU)" if cell.cpu_only else cell.cuda, "torch": cell.torch, "triton": cell.triton,
+        "flash-attn": f"none ({matrix.flash_none_reason(cell)})" if fa.source == "none" else
+        f"{fa.version} ({kind}): pinned in {flash_lock_path(matrix, cell.id).name}, installed after this lock",
+        "layers": " ".join(layers),
+        "resolver": f"uv {uv_ver} pip compile --generate-hashes --python-platform {matrix.platform} "
+                    f"--python-version {cell.python} --no-emit-index-url --no-emit-find-links",
+        "inputs-sha256": inputs_digest(matrix, cell)}
+    return (f"# Lock of cell {cell.id}: generated by `nox -s lock -- {cell.id}`. Do not edit.\n"
+            f"# Install exactly: pip install --require-hashes --no-deps{' --extra-index-url ' + index if index else ''}"
+            f" -r {lock_path(matrix, cell.id).name}\n" + _fields(fields))
 
 
-def compile_universal(name: str, in_file: Path, out: Path, uv: str | None = None) -> Path:
+def _fields(fields: dict) -> str:
+    return "".join(f"# {k}: {v}\n" for k, v in fields.items()) + "#\n"
+
+
+def resolve_universal(in_file: Path, uv: str, previous: str) -> str:
+    args = [str(in_file.relative_to(in_file.parent.parent)), *UV_FLAGS, "--universal",
+            "--python-version", UNIVERSAL_PYTHON]
+    return _run_uv(uv, args, cwd=in_file.parent.parent, previous=previous)
+
+
+def compile_universal(name: str, in_file: Path, out: Path, uv: str | None = None, upgrade: bool = False) -> Path:
     uv = uv or uv_bin()
-    root = in_file.parent.parent
-    args = [str(in_file.relative_to(root)), *UV_FLAGS, "--universal", "--python-version", UNIVERSAL_PYTHON]
-    body = _run_uv(uv, args, cwd=root, previous=out)
-    header = (
-        f"# {name} lock: generated by `nox -s lock -- {name}`. Do not edit.\n"
-        f"# Install: pip install --require-hashes -r {out.relative_to(root)}\n"
-        f"# lock-format: {LOCK_FORMAT}\n"
-        f"# python: >={UNIVERSAL_PYTHON} (universal: any platform)\n"
-        f"# resolver: uv {uv_version(uv)} pip compile --universal --python-version {UNIVERSAL_PYTHON} "
-        "--generate-hashes --no-emit-index-url --no-emit-find-links\n"
-        f"# inputs-sha256: {universal_digest(in_file)}\n"
-        "#\n"
-    )
-    return _write(out, header + body)
+    body = resolve_universal(in_file, uv, "" if upgrade else (out.read_text() if out.exists() else ""))
+    fields = {"lock-format": LOCK_FORMAT, "python": f">={UNIVERSAL_PYTHON} (universal: any platform)",
+              "resolver": f"uv {uv_version(uv)} pip compile --universal --python-version {UNIVERSAL_PYTHON} "
+                          "--generate-hashes --no-emit-index-url --no-emit-find-links",
+              "inputs-sha256": universal_digest(in_file)}
+    return _write(out, f"# {name} lock: generated by `nox -s lock -- {name}`. Do not edit.\n# Install: pip install "
+                  f"--require-hashes -r {out.relative_to(in_file.parent.parent)}\n" + _fields(fields) + body, seal=True)
 
 
 # --- checking ----------------------------------------------------------------------------------------
 
 
-def _check_pins(cell: Cell, reqs: dict[str, Pinned]) -> None:
-    problems = check_body(cell, reqs)
-    if problems:
-        raise LockError(f"cell {cell.id}: " + "; ".join(problems))
-
-
 def check_body(cell: Cell, reqs: dict[str, Pinned]) -> list[str]:
+    """torch, triton and the cell's pins are the matrix's."""
     p = []
     torch = reqs.get("torch")
     if torch is None or torch.version != cell.torch:
@@ -425,58 +398,50 @@ def check_body(cell: Cell, reqs: dict[str, Pinned]) -> list[str]:
     elif cell.torch_sha256 and cell.torch_sha256 not in torch.hashes:
         p.append(f"torch {cell.torch}'s hashes lack the matrix's torch_sha256 {cell.torch_sha256[:12]}...")
     triton = reqs.get("triton")
-    want = None if cell.triton == "none" else cell.triton
-    if (triton.version if triton else None) != want:
+    if (triton.version if triton else "none") != cell.triton:
         p.append(f"triton is {triton.version if triton else 'missing'}, matrix says {cell.triton}")
     for pin in cell.pins:
         name, _, ver = pin.partition("==")
         got = reqs.get(canonicalize_name(name))
         if got is None or got.version != ver:
             p.append(f"{name} is {got.version if got else 'missing'}, matrix pins {ver}")
-    unhashed = sorted(r.name for r in reqs.values() if not r.hashes)
-    if unhashed:
-        p.append(f"requirements without --hash: {', '.join(unhashed)}")
     return p
 
 
+def _targets(matrix: Matrix, targets: list[str] | None) -> dict[str, tuple[Path, Cell | None, Path | None]]:
+    """target -> (its lock, its cell or None, the input of a universal lock or None)."""
+    tools = universal_targets(matrix)
+    return {t: (tools[t][1], None, tools[t][0]) if t in tools else (lock_path(matrix, t), matrix.get(t), None)
+            for t in targets or [c.id for c in matrix.cells] + list(tools)}
+
+
 def check(matrix: Matrix, targets: list[str] | None = None) -> list[str]:
-    """Every reason the locks are stale or malformed (empty when all are fresh)."""
+    """Every reason the locks are stale, malformed or not what the generator wrote (empty when none is)."""
     problems: list[str] = []
-    universal = universal_targets(matrix)
-    wanted = targets or [c.id for c in matrix.cells] + list(universal)
-    for t in wanted:
-        if t in universal:
-            in_file, out = universal[t]
-            expect = universal_digest(in_file)
-            cell = None
-        else:
-            cell = matrix.get(t)
-            out = lock_path(matrix, t)
-            expect = inputs_digest(matrix, cell)
+    for t, (out, cell, in_file) in _targets(matrix, targets).items():
         relock = f"run `nox -s lock -- {t}`"
         if not out.exists():
             problems.append(f"{t}: no lock at {out.name}; {relock}")
             continue
         text = out.read_text()
-        got = header_fields(text).get("inputs-sha256")
-        if got != expect:
-            problems.append(
-                f"{t}: stale ({out.name} was made from other inputs: .in files or matrix changed); {relock}"
-            )
+        expect = inputs_digest(matrix, cell) if cell else universal_digest(in_file)
+        if header_fields(text).get("inputs-sha256") != expect:
+            problems.append(f"{t}: stale ({out.name} was made from other inputs: .in files or matrix changed); "
+                            f"{relock}")
             continue
-        problems.extend(f"{t}: {p}" for p in forbidden_content(text))
-        try:
-            reqs = parse_lock(text)
-        except LockError as e:
-            problems.append(f"{t}: {e}")
-            continue
+        problems.extend(f"{t}: {out.name}: {p}" for p in forbidden_content(text) + lint_lock(text))
+        seal = header_fields(text).get("lock-sha256")
+        if seal != seal_digest(text):
+            problems.append(f"{t}: {out.name} is not what `nox -s lock` wrote (lock-sha256 "
+                            f"{'missing' if seal is None else 'differs'}: a line was edited, added or removed). "
+                            f"Locks change only by relocking: edit requirements/*.in or the matrix, then {relock}")
         if cell is not None:
-            problems.extend(f"{t}: {p}" for p in check_body(cell, reqs))
-            problems.extend(f"{t}: {p}" for p in check_flash_lock(matrix, cell))
-        elif not all(r.hashes for r in iter_lock(text)):
-            problems.append(f"{t}: requirements without --hash")
+            try:
+                problems += [f"{t}: {p}" for p in check_body(cell, parse_lock(text)) + check_flash_lock(matrix, cell)]
+            except LockError as e:
+                problems.append(f"{t}: {out.name}: {e}")
     if not targets:  # locks of cells that no longer exist
-        known = {c.id for c in matrix.cells} | {out.stem for _, out in universal.values()}
+        known = {c.id for c in matrix.cells} | {out.stem for _, out in universal_targets(matrix).values()}
         known |= {flash_lock_path(matrix, c.id).stem for c in matrix.cells if c.flash_attn.source != "none"}
         for f in sorted((matrix.path.parent / "locks").glob("*.txt")):
             if f.stem not in known:
@@ -485,11 +450,40 @@ def check(matrix: Matrix, targets: list[str] | None = None) -> list[str]:
     return problems
 
 
+def diff_pins(locked: str, resolved: str) -> list[str]:
+    """How a lock's requirements differ from a resolution's (name, marker, version, hashes)."""
+    a, b = ({(p.name, p.marker): p for p in iter_lock(t)} for t in (locked, resolved))
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        x, y, what = a.get(key), b.get(key), key[0] + (f" ; {key[1]}" if key[1] else "")
+        out += ([f"{what}=={x.version} is not in the resolution of the inputs"] if y is None
+                else [f"{what}=={y.version} is missing (the resolution of the inputs has it)"] if x is None
+                else [f"{what} is {x.version}, resolving the inputs gives {y.version}"] if x.version != y.version
+                else [f"{what}=={x.version}: its hashes are not the index's"] if set(x.hashes) != set(y.hashes)
+                else [])
+    return out
+
+
+def resolve_check(matrix: Matrix, targets: list[str] | None = None, uv: str | None = None) -> list[str]:
+    """Resolve each lock's inputs again, preferring the lock's pins: a consistent lock comes back unchanged
+    (a fixed point); a pin its dependents exclude, an extra or a missing package does not. Needs the
+    package indexes (or NSA_LOCK_FIND_LINKS for a cell's own index)."""
+    uv = uv or uv_bin()
+    problems = []
+    for t, (out, cell, in_file) in _targets(matrix, targets).items():
+        if not out.exists():
+            continue  # check() reports it
+        text = out.read_text()
+        try:
+            body = resolve_cell(matrix, cell, uv, text) if cell else resolve_universal(in_file, uv, text)
+            problems.extend(f"{t}: {out.name}: {d}" for d in diff_pins(text, body))
+        except LockError as e:
+            problems.append(f"{t}: {out.name}: {e}")
+    return problems
+
+
 def check_flash_lock(matrix: Matrix, cell: Cell) -> list[str]:
     path, want = flash_lock_path(matrix, cell.id), flash_lock_text(matrix, cell)
-    if want is None:
-        return [f"{path.name} exists but the cell has no flash-attn: run `nox -s lock -- {cell.id}`"] \
-            if path.exists() else []
-    if not path.exists() or path.read_text() != want:
-        return [f"{path.name} is {'missing' if not path.exists() else 'stale'}: run `nox -s lock -- {cell.id}`"]
-    return []
+    state = ("exists but the cell has no flash-attn" if path.exists() else "") if want is None else \
+        "is missing" if not path.exists() else "is stale" if path.read_text() != want else ""
+    return [f"{path.name} {state}: run `nox -s lock -- {cell.id}`"] if state else []

@@ -7,58 +7,50 @@ import sys
 import time
 from pathlib import Path
 
-from ci.locks import LockError, check, compile_cell, compile_universal, parse_lock, universal_targets, uv_bin
+from ci.locks import LockError, check, compile_cell, compile_universal, resolve_check, universal_targets, uv_bin
 from ci.matrix import DEFAULT_PATH, MatrixError, load, outdated
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.locks", description=__doc__.split("\n\n")[0])
-    ap.add_argument("targets", nargs="*", help="cell ids, 'bootstrap', 'tools' (default: all)")
-    ap.add_argument("--check", action="store_true", help="fail if any lock is stale (offline)")
+    ap.add_argument("targets", nargs="*", help="cell ids, 'bootstrap', 'tools', 'lint' (default: all)")
+    ap.add_argument("--check", action="store_true", help="fail if any lock is stale, malformed or edited (offline)")
+    ap.add_argument("--resolve", action="store_true",
+                    help="with --check: also resolve each lock's inputs again from its pins (needs the indexes)")
+    ap.add_argument("--upgrade", action="store_true", help="relock afresh, not from the current pins")
     ap.add_argument("--outdated", action="store_true",
                     help="ask PyPI what is newer than the matrix and the tool locks (exit 1 when anything is)")
     ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH)
     args = ap.parse_args(argv)
     if args.outdated:
         return outdated.main(["--matrix", str(args.matrix)])
+    if args.resolve and not args.check:
+        ap.error("--resolve: only with --check")
     try:
         matrix = load(args.matrix)
     except MatrixError as e:
         print(e, file=sys.stderr)
         return 1
-    universal = universal_targets(matrix)
-    ids = {c.id for c in matrix.cells}
-    unknown = [t for t in args.targets if t not in ids and t not in universal]
-    if unknown:
-        print(
-            f"error: targets: unknown {unknown}; known: {sorted(ids)} + {sorted(universal)}", file=sys.stderr
-        )
+    tools, ids = universal_targets(matrix), [c.id for c in matrix.cells]
+    if unknown := [t for t in args.targets if t not in ids and t not in tools]:
+        print(f"error: targets: unknown {unknown}; known: {sorted(ids)} + {sorted(tools)}", file=sys.stderr)
         return 2
+    targets, start, failed = args.targets or ids + list(tools), time.monotonic(), 0
     if args.check:
-        problems = check(matrix, args.targets or None)
-        for p in problems:
-            print(f"STALE {p}", file=sys.stderr)
-        n = len(args.targets) if args.targets else len(ids) + len(universal)
-        print(f"locks: {n} checked, {len(problems)} problem(s)")
+        problems = check(matrix, args.targets) + (resolve_check(matrix, args.targets) if args.resolve else [])
+        print("".join(f"LOCK {p}\n" for p in problems), end="", file=sys.stderr)
+        print(f"locks: {len(targets)} checked{' and resolved again' if args.resolve else ''}, "
+              f"{len(problems)} problem(s), {time.monotonic() - start:.1f} s")
         return 1 if problems else 0
-    targets = args.targets or [c.id for c in matrix.cells] + list(universal)
-    uv = uv_bin()
-    failed = 0
     for i, t in enumerate(targets, 1):
-        start = time.monotonic()
         print(f"[{i}/{len(targets)}] locking {t} ...", flush=True)
         try:
-            if t in universal:
-                out = compile_universal(t, *universal[t], uv=uv)
-            else:
-                out = compile_cell(matrix, matrix.get(t), uv=uv)
+            out = compile_universal(t, *tools[t], uv_bin(), args.upgrade) if t in tools else \
+                compile_cell(matrix, matrix.get(t), uv_bin(), args.upgrade)
+            print(f"  wrote {out.relative_to(matrix.path.parent.parent)} ({time.monotonic() - start:.1f} s)")
         except LockError as e:
             failed += 1
             print(f"  FAILED: {e}", file=sys.stderr)
-            continue
-        n = len(parse_lock(out.read_text()))
-        rel = out.relative_to(matrix.path.parent.parent)
-        print(f"  wrote {rel} ({n} packages, {time.monotonic() - start:.1f}s)")
     return 1 if failed else 0
 
 

@@ -1,28 +1,16 @@
-"""Load and validate requirements/matrix.toml, the configuration matrix: the one loader every tool uses.
-
-    python -m ci.matrix validate            # exit 1 and list every problem if a cell cannot exist
-    python -m ci.matrix list                # one line per cell
-    python -m ci.matrix show CELL [--json]  # one cell: package index, flash-attn pin, and why (upstream facts)
-    python -m ci.matrix table [--write]     # the Markdown table of README.md and docs/environments.md
-
-Validation encodes what upstream publishes ([upstream.*] tables of the file) and rejects: a triton outside
-the pin of torch's metadata (exact up to torch 2.13, a range such as `~=3.8.0` from 2.14; compared with
-packaging's SpecifierSet), a Python or CUDA torch publishes no wheel for, a torch build the cell's package
-index does not carry, a flash-attn wheel upstream does not publish (or a wheel name that does not follow
-its naming scheme, or one without its sha256; of a release whose wheel set is unknown, a wheel not seen in
-use, and malformed `wheels_seen` / `wheels_missing` entries), a flash-attn that cannot compile against the
-torch (C++ standard), a GPU cell without flash-attn for no stated reason, GPU architectures the CUDA toolkit cannot
-build, a build stage that cannot compile flash-attn or whose OS differs from the run stage's, and ids that
-do not follow {cpu|cuXYZ}-torch{M.m}-py{XY}.
-To add a field: add it to Cell (with a default), read it in _parse_cell, check it in validate_cell.
-Needs `packaging` (requirements/bootstrap.txt) and tomllib (tomli on Python 3.10).
+"""Load and validate requirements/matrix.toml, the configuration matrix: the one loader every tool uses (its
+command line is ci/matrix/__main__.py). Validation rejects what the file's [upstream.*] facts rule out: a triton
+outside torch's pin, a Python, CUDA or index without that torch, a flash-attn wheel upstream does not publish (or
+misnamed, or without its sha256), a flash-attn that cannot compile against the torch, a GPU cell without flash-attn
+for no stated reason, GPU archs the toolkit cannot build, images that cannot build or run the cell, ids other than
+{cpu|cuXYZ}-torch{M.m}-py{XY}. New fields go into Cell (and REQUIRED without a default), their rules into validate_cell.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +27,11 @@ DEFAULT_PATH = ROOT / "requirements" / "matrix.toml"
 FLASH_SOURCES = ("wheel", "source", "none")
 TORCH_INDEXES = ("pypi", "pytorch")
 PYTORCH_INDEX_ENV = "NSA_PYTORCH_INDEX"  # a mirror of PyTorch's wheel index, same paths
+# The fields a [[cell]] must have, with their TOML types, in the order problems are reported.
+REQUIRED = {"id": str, "python": str, "cuda": str, "cpu_only": bool, "torch": str, "triton": str, "gpu_archs": list,
+            "base_image": str, "runtime_image": str, "torch_index": str}
+SHA256 = re.compile("[0-9a-f]{64}")  # lowercase hex, as pip and the locks write it
+WHEEL_KEYS = {"torch": str, "cuda_major": str, "python": str, "cxx11abi": bool}  # one flash-attn wheel
 
 
 class MatrixError(ValueError):
@@ -46,8 +39,7 @@ class MatrixError(ValueError):
 
     def __init__(self, path: Path | str, problems: list[str]):
         self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{path}: {len(problems)} problem(s):\n{lines}")
+        super().__init__(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass(frozen=True)
@@ -84,19 +76,16 @@ class Cell:
 
     @property
     def torch_mm(self) -> str:
-        v = Version(self.torch_public)
-        return f"{v.major}.{v.minor}"
+        return "{0.major}.{0.minor}".format(Version(self.torch_public))
+
+    @property
+    def cuda_major(self) -> str:
+        return self.cuda.split(".")[0]
 
     @property
     def variant(self) -> str:
         """The build variant as PyTorch names it: cpu, cu128, cu130."""
         return "cpu" if self.cuda == "none" else "cu" + self.cuda.replace(".", "")
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("raw")
-        d["variant"] = self.variant
-        return d
 
 
 @dataclass
@@ -110,8 +99,7 @@ class Matrix:
         for c in self.cells:
             if c.id == cell_id:
                 return c
-        known = ", ".join(c.id for c in self.cells)
-        raise KeyError(f"unknown cell {cell_id!r}; cells in {self.path.name}: {known}")
+        raise KeyError(f"unknown cell {cell_id!r}; cells in {self.path.name}: {', '.join(c.id for c in self.cells)}")
 
     @property
     def platform(self) -> str:
@@ -135,13 +123,11 @@ class Matrix:
 
     def pip_index_args(self, cell: Cell) -> list[str]:
         """What every `pip install -r <cell lock>` adds so that pip can find the cell's torch."""
-        url = self.index_url(cell)
-        return ["--extra-index-url", url] if url else []
+        return ["--extra-index-url", url] if (url := self.index_url(cell)) else []
 
     def min_driver(self, cuda: str) -> tuple[str, str]:
         """(driver of CUDA `cuda`'s GA release, floor through minor-version compatibility)."""
-        drivers = self.upstream.get("cuda_driver", {})
-        major = cuda.split(".")[0]
+        drivers, major = self.upstream.get("cuda_driver", {}), cuda.split(".")[0]
         floor = self.upstream.get("driver", {}).get(major)
         same_major = sorted((v for v in drivers if v.split(".")[0] == major), key=Version)
         if floor is None or not same_major:
@@ -160,22 +146,13 @@ class Matrix:
         """Why a cell has no flash-attn: its own `why`, else derived from the facts ("" where none applies)."""
         if cell.flash_attn.source != "none":
             return ""
-        if cell.cpu_only:
-            return "flash-attn needs CUDA"
-        return cell.flash_attn.why or flash_unbuildable(self.upstream, cell.torch_public)
-
-
-# --- naming ------------------------------------------------------------------------------------------
-
-
-def expected_cell_id(cell: Cell) -> str:
-    return f"{cell.variant}-torch{cell.torch_mm}-py{cell.python.replace('.', '')}"
+        return "flash-attn needs CUDA" if cell.cpu_only else (
+            cell.flash_attn.why or flash_unbuildable(self.upstream, cell.torch_public))
 
 
 def flash_wheel_name(version: str, cuda_major: str, torch_mm: str, cxx11abi: bool, python: str) -> str:
     """Upstream's release asset name, e.g. flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-...whl."""
-    py = "cp" + python.replace(".", "")
-    abi = "TRUE" if cxx11abi else "FALSE"
+    py, abi = "cp" + python.replace(".", ""), "TRUE" if cxx11abi else "FALSE"
     return f"flash_attn-{version}+cu{cuda_major}torch{torch_mm}cxx11abi{abi}-{py}-{py}-linux_x86_64.whl"
 
 
@@ -185,9 +162,8 @@ def flash_wheel_url(upstream: dict[str, Any], version: str, wheel: str) -> str:
     return template.format(version=version, wheel=wheel.replace("+", "%2B")) if template else ""
 
 
-def flash_wheel_published(
-    upstream: dict[str, Any], version: str, torch_mm: str, cuda_major: str, python: str, cxx11abi: bool
-) -> tuple[bool, str]:
+def flash_wheel_published(upstream: dict[str, Any], version: str, torch_mm: str, cuda_major: str, python: str,
+                          cxx11abi: bool) -> tuple[bool, str]:
     """Whether upstream publishes a wheel for this combination, and why not."""
     rel = upstream.get("flash_attn", {}).get(version)
     if rel is None:
@@ -201,20 +177,17 @@ def flash_wheel_published(
         seen = "seen missing" if wanted in rel.get("wheels_missing", []) else "not among the wheels seen"
         return False, (f"flash-attn {version}'s upstream wheel set is not recorded ({rel['wheels_unknown']}); "
                        f"torch {torch_mm} / CUDA {cuda_major} / CPython {python} / cxx11abi={cxx11abi} is {seen}")
-    if any(all(wanted.get(k) == v for k, v in inc.items()) for inc in rel.get("include", [])):
+    # An include or exclude entry names part of a wheel's description: it matches where its items are wanted's.
+    if any(e.items() <= wanted.items() for e in rel.get("include", [])):
         return True, ""
-    for key, value, label in (
-        ("torch", torch_mm, "torch"),
-        ("cuda_major", cuda_major, "CUDA major"),
-        ("python", python, "Python"),
-    ):
-        if value not in rel.get(key, []):
-            return False, f"flash-attn {version} publishes no wheel for {label} {value} (only {rel.get(key)})"
+    for key, label in (("torch", "torch"), ("cuda_major", "CUDA major"), ("python", "Python")):
+        if wanted[key] not in rel.get(key, []):
+            return False, f"flash-attn {version} publishes no wheel for {label} {wanted[key]} (only {rel.get(key)})"
     if cxx11abi not in rel.get("cxx11abi", []):
         return False, f"flash-attn {version} publishes no cxx11abi={cxx11abi} wheel"
-    for ex in rel.get("exclude", []):
-        if all(wanted.get(k) == v for k, v in ex.items()):
-            return False, f"flash-attn {version} publishes no wheel for {ex} (excluded upstream)"
+    excluded = next((e for e in rel.get("exclude", []) if e.items() <= wanted.items()), None)
+    if excluded is not None:
+        return False, f"flash-attn {version} publishes no wheel for {excluded} (excluded upstream)"
     return True, ""
 
 
@@ -233,8 +206,7 @@ def cxx_std(entry: dict[str, Any]) -> int:
 
 def flash_unbuildable(upstream: dict[str, Any], torch_public: str) -> str:
     """Why no recorded flash-attn release compiles against this torch ("" when one does)."""
-    need = cxx_std(upstream.get("torch", {}).get(torch_public, {}))
-    releases = upstream.get("flash_attn", {})
+    need, releases = cxx_std(upstream.get("torch", {}).get(torch_public, {})), upstream.get("flash_attn", {})
     if not releases or any(cxx_std(rel) >= need for rel in releases.values()):
         return ""
     newest = max(releases, key=Version)
@@ -249,42 +221,20 @@ def image_os(image: str) -> str | None:
     return f"ubuntu{m.group(1)}" if m else None
 
 
-# --- parsing -----------------------------------------------------------------------------------------
-
-
-def _req(d: dict[str, Any], key: str, where: str, problems: list[str], typ: type = str) -> Any:
-    if key not in d:
-        problems.append(f"{where}: missing field {key!r}")
-        return typ()
-    if not isinstance(d[key], typ):
-        problems.append(f"{where}: field {key!r} must be a {typ.__name__}, got {d[key]!r}")
-        return typ()
-    return d[key]
-
-
 def _parse_cell(d: dict[str, Any], index: int, problems: list[str]) -> Cell:
     where = f"cell #{index + 1} ({d.get('id', '?')})"
     fa = d.get("flash_attn", {"source": "none"})
     if not isinstance(fa, dict):
         problems.append(f"{where}: field 'flash_attn' must be a table")
         fa = {"source": "none"}
-    return Cell(
-        id=_req(d, "id", where, problems),
-        python=_req(d, "python", where, problems),
-        cuda=_req(d, "cuda", where, problems),
-        cpu_only=_req(d, "cpu_only", where, problems, bool),
-        torch=_req(d, "torch", where, problems),
-        triton=_req(d, "triton", where, problems),
-        flash_attn=FlashAttn(**{k: str(fa.get(k, "")) for k in ("source", "version", "wheel", "sha256", "why")}),
-        gpu_archs=tuple(_req(d, "gpu_archs", where, problems, list)),
-        base_image=_req(d, "base_image", where, problems),
-        runtime_image=_req(d, "runtime_image", where, problems),
-        torch_index=_req(d, "torch_index", where, problems),
-        description=str(d.get("description", "")),
-        pins=tuple(d.get("pins", [])),
-        torch_sha256=str(d.get("torch_sha256", "")),
-        raw=d,
-    )
+    problems += [f"{where}: missing field {key!r}" if key not in d else
+                 f"{where}: field {key!r} must be a {typ.__name__}, got {d[key]!r}"
+                 for key, typ in REQUIRED.items() if not isinstance(d.get(key), typ)]
+    req = {key: d[key] if isinstance(d.get(key), typ) else typ() for key, typ in REQUIRED.items()}
+    return Cell(**{**req, "gpu_archs": tuple(req["gpu_archs"])}, raw=d,
+                flash_attn=FlashAttn(**{f.name: str(fa.get(f.name, "")) for f in fields(FlashAttn)}),
+                description=str(d.get("description", "")), pins=tuple(d.get("pins", [])),
+                torch_sha256=str(d.get("torch_sha256", "")))
 
 
 def parse(data: dict[str, Any], path: Path | str = "<matrix>") -> Matrix:
@@ -298,8 +248,7 @@ def parse(data: dict[str, Any], path: Path | str = "<matrix>") -> Matrix:
         raw_cells = []
     cells = [_parse_cell(d, i, problems) for i, d in enumerate(raw_cells)]
     matrix = Matrix(Path(path), dict(data.get("defaults", {})), dict(data.get("upstream", {})), cells)
-    if not problems:
-        problems = validate(matrix)
+    problems = problems or validate(matrix)
     if problems:
         raise MatrixError(path, problems)
     return matrix
@@ -317,205 +266,142 @@ def load(path: Path | str = DEFAULT_PATH) -> Matrix:
     return parse(data, path)
 
 
-# --- validation --------------------------------------------------------------------------------------
-
-
-def _is_sha256(s: str) -> bool:
-    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
-
-
-def validate_cell(cell: Cell, upstream: dict[str, Any]) -> list[str]:
+def validate_cell(c: Cell, upstream: dict[str, Any]) -> list[str]:
     """Every reason this cell cannot exist (empty when it can)."""
-    p: list[str] = []
-    w = f"cell {cell.id}"
     try:
-        Version(cell.torch)
+        Version(c.torch)
     except InvalidVersion:
-        return [f"{w}: torch {cell.torch!r} is not a version"]
-
-    t = upstream.get("torch", {}).get(cell.torch_public)
+        return [f"cell {c.id}: torch {c.torch!r} is not a version"]
+    t = upstream.get("torch", {}).get(c.torch_public)
     if t is None:
-        known = ", ".join(upstream.get("torch", {}))
-        return [
-            f"{w}: torch {cell.torch_public} is not in [upstream.torch] (known: {known}); add its facts first"
-        ]
-
-    if cell.id != expected_cell_id(cell):
-        p.append(f"{w}: id must be {expected_cell_id(cell)!r} (from its cuda, torch and python)")
-    if cell.python not in t["python"]:
-        p.append(
-            f"{w}: torch {cell.torch_public} publishes no wheel for Python {cell.python} (only {t['python']})"
-        )
-
-    p.extend(_validate_triton(cell, t))
-
-    # Which index carries this torch: PyPI has one CUDA build per release and no local labels.
-    local = cell.torch.split("+", 1)[1] if "+" in cell.torch else ""
-    if cell.torch_index not in TORCH_INDEXES:
-        p.append(f"{w}: torch_index must be one of {TORCH_INDEXES}, not {cell.torch_index!r}")
-    elif local and cell.torch_index != "pytorch":
-        p.append(f"{w}: torch {cell.torch} is not on PyPI: set torch_index = 'pytorch' (PyTorch's {local} index)")
-    elif not local and cell.torch_index == "pytorch":
-        p.append(f"{w}: PyTorch's index names its builds {cell.torch}+{cell.variant}: pin that, or use 'pypi'")
-    elif not local and not cell.cpu_only and cell.cuda != t["pypi_cuda"]:
-        p.append(
-            f"{w}: PyPI's torch {cell.torch_public} is the CUDA {t['pypi_cuda']} build; CUDA {cell.cuda} "
-            f"needs torch = '{cell.torch_public}+{cell.variant}' from torch_index = 'pytorch'"
-        )
-
-    # CPU vs CUDA consistency.
-    if cell.cpu_only:
-        if cell.cuda != "none":
-            p.append(f"{w}: cpu_only cells must have cuda = 'none', not {cell.cuda!r}")
-        if local != "cpu":
-            p.append(f"{w}: a cpu_only cell must use the CPU build of torch ({cell.torch_public}+cpu)")
-        if "cpu" not in t["cuda"]:
-            p.append(f"{w}: torch {cell.torch_public} has no CPU build")
-        if cell.gpu_archs:
-            p.append(f"{w}: cpu_only cells build for no GPU architecture (gpu_archs must be empty)")
-        if cell.flash_attn.source != "none":
-            p.append(f"{w}: flash-attn needs CUDA; a cpu_only cell must have flash_attn.source = 'none'")
-    else:
-        if cell.cuda == "none":
-            p.append(f"{w}: a GPU cell needs a CUDA version (or set cpu_only = true)")
-        elif cell.cuda not in t["cuda"]:
-            p.append(f"{w}: torch {cell.torch_public} is not built for CUDA {cell.cuda} (only {t['cuda']})")
-        if local and local != cell.variant:
-            p.append(f"{w}: torch local label +{local} does not match CUDA {cell.cuda} ({cell.variant})")
-        supported = upstream.get("cuda", {}).get(cell.cuda)
-        if supported is None:
-            p.append(f"{w}: CUDA {cell.cuda} is not in [upstream.cuda]")
-        else:
-            bad = [a for a in cell.gpu_archs if a not in supported]
-            if bad:
-                p.append(f"{w}: CUDA {cell.cuda} cannot build for sm {bad} (supports {supported})")
-        if not cell.gpu_archs:
-            p.append(f"{w}: a GPU cell must list gpu_archs")
-        if cell.cuda.split(".")[0] not in upstream.get("driver", {}):
-            p.append(f"{w}: CUDA major {cell.cuda.split('.')[0]} has no driver floor in [upstream.driver]")
-
-    if local and not _is_sha256(cell.torch_sha256):
-        p.append(f"{w}: torch {cell.torch} is not on PyPI: record its wheel's sha256 as torch_sha256")
-    if cell.torch_sha256 and not _is_sha256(cell.torch_sha256):
-        p.append(f"{w}: torch_sha256 must be 64 lowercase hex digits")
-
-    # The run stage receives the build stage's venv, whose interpreter must be at the same path.
-    build_os, run_os = image_os(cell.base_image), image_os(cell.runtime_image)
-    if build_os and run_os and build_os != run_os:
-        p.append(f"{w}: base_image is {build_os} but runtime_image is {run_os}: the venv would not run there")
-    if cell.flash_attn.source == "source" and "-devel" not in cell.base_image:
-        p.append(f"{w}: flash-attn is compiled in the build stage: base_image must be a CUDA -devel image (nvcc)")
-
-    p.extend(_validate_flash(cell, upstream, t))
-    return p
+        return [f"cell {c.id}: torch {c.torch_public} is not in [upstream.torch] "
+                f"(known: {', '.join(upstream.get('torch', {}))}); add its facts first"]
+    expected_id = f"{c.variant}-torch{c.torch_mm}-py{c.python.replace('.', '')}"
+    local = c.torch.split("+", 1)[1] if "+" in c.torch else ""
+    supported = upstream.get("cuda", {}).get(c.cuda)
+    bad_archs = [a for a in c.gpu_archs if a not in (supported or [])]
+    build_os, run_os = image_os(c.base_image), image_os(c.runtime_image)
+    rules = [
+        (c.id != expected_id, f"id must be {expected_id!r} (from its cuda, torch and python)"),
+        (c.python not in t["python"],
+         f"torch {c.torch_public} publishes no wheel for Python {c.python} (only {t['python']})"),
+        *((True, m) for m in _triton_problems(c, t)),
+        # Which index carries this torch: PyPI has one CUDA build per release and no local labels.
+        (c.torch_index not in TORCH_INDEXES, f"torch_index must be one of {TORCH_INDEXES}, not {c.torch_index!r}"),
+        (local and c.torch_index == "pypi",
+         f"torch {c.torch} is not on PyPI: set torch_index = 'pytorch' (PyTorch's {local} index)"),
+        (not local and c.torch_index == "pytorch",
+         f"PyTorch's index names its builds {c.torch}+{c.variant}: pin that, or use 'pypi'"),
+        (not local and c.torch_index == "pypi" and not c.cpu_only and c.cuda != t["pypi_cuda"],
+         f"PyPI's torch {c.torch_public} is the CUDA {t.get('pypi_cuda')} build; CUDA {c.cuda} needs "
+         f"torch = '{c.torch_public}+{c.variant}' from torch_index = 'pytorch'"),
+    ]
+    rules += [
+        (c.cuda != "none", f"cpu_only cells must have cuda = 'none', not {c.cuda!r}"),
+        (local != "cpu", f"a cpu_only cell must use the CPU build of torch ({c.torch_public}+cpu)"),
+        ("cpu" not in t["cuda"], f"torch {c.torch_public} has no CPU build"),
+        (c.gpu_archs, "cpu_only cells build for no GPU architecture (gpu_archs must be empty)"),
+        (c.flash_attn.source != "none", "flash-attn needs CUDA; a cpu_only cell must have flash_attn.source = 'none'"),
+    ] if c.cpu_only else [
+        (c.cuda == "none", "a GPU cell needs a CUDA version (or set cpu_only = true)"),
+        (c.cuda != "none" and c.cuda not in t["cuda"],
+         f"torch {c.torch_public} is not built for CUDA {c.cuda} (only {t.get('cuda')})"),
+        (local and local != c.variant, f"torch local label +{local} does not match CUDA {c.cuda} ({c.variant})"),
+        (supported is None, f"CUDA {c.cuda} is not in [upstream.cuda]"),
+        (supported is not None and bad_archs, f"CUDA {c.cuda} cannot build for sm {bad_archs} (supports {supported})"),
+        (not c.gpu_archs, "a GPU cell must list gpu_archs"),
+        (c.cuda_major not in upstream.get("driver", {}),
+         f"CUDA major {c.cuda_major} has no driver floor in [upstream.driver]"),
+    ]
+    rules += [
+        (local and not SHA256.fullmatch(c.torch_sha256),
+         f"torch {c.torch} is not on PyPI: record its wheel's sha256 as torch_sha256"),
+        (c.torch_sha256 and not SHA256.fullmatch(c.torch_sha256), "torch_sha256 must be 64 lowercase hex digits"),
+        # The run stage receives the build stage's venv, whose interpreter must be at the same path.
+        (build_os and run_os and build_os != run_os,
+         f"base_image is {build_os} but runtime_image is {run_os}: the venv would not run there"),
+        (c.flash_attn.source == "source" and "-devel" not in c.base_image,
+         "flash-attn is compiled in the build stage: base_image must be a CUDA -devel image (nvcc)"),
+        *((True, m) for m in _flash_problems(c, upstream, t)),
+    ]
+    return [f"cell {c.id}: {m}" for bad, m in rules if bad]
 
 
-def _validate_triton(cell: Cell, t: dict[str, Any]) -> list[str]:
-    """The cell's triton: one exact version inside torch's pin ("none" where torch requires no triton for
-    the cell's Python)."""
-    w, pin = f"cell {cell.id}", str(t["triton"])
-    below = t.get("triton_python_below")
-    if pin == "none" or (below and Version(cell.python) >= Version(below)):
-        return [] if cell.triton == "none" else [
-            f"{w}: torch {cell.torch_public} requires no triton on Python {cell.python}: triton must be 'none'"]
+def _triton_problems(c: Cell, t: dict[str, Any]) -> list[str]:
+    """The cell's triton: one exact version in torch's pin ("none" where torch requires none for the Python)."""
+    pin, below = str(t["triton"]), t.get("triton_python_below")
+    if pin == "none" or (below and Version(c.python) >= Version(below)):
+        return [] if c.triton == "none" else [
+            f"torch {c.torch_public} requires no triton on Python {c.python}: triton must be 'none'"]
     try:
         spec = pin_specifier(pin)
     except InvalidSpecifier:
-        return [f"{w}: [upstream.torch.\"{cell.torch_public}\"] triton {pin!r} is neither a version nor a specifier"]
+        return [f"[upstream.torch.\"{c.torch_public}\"] triton {pin!r} is neither a version nor a specifier"]
     try:
-        exact = Version(cell.triton)
+        exact = Version(c.triton)
     except InvalidVersion:
-        return [f"{w}: triton must be an exact version inside torch {cell.torch_public}'s pin triton{spec}, "
-                f"not {cell.triton!r}"]
-    if not spec.contains(exact, prereleases=True):
-        return [f"{w}: triton {cell.triton} is outside torch {cell.torch_public}'s pin triton{spec}"]
-    return []
+        return [f"triton must be an exact version inside torch {c.torch_public}'s pin triton{spec}, "
+                f"not {c.triton!r}"]
+    return [] if spec.contains(exact, prereleases=True) else [
+        f"triton {c.triton} is outside torch {c.torch_public}'s pin triton{spec}"]
 
 
-def _validate_flash(cell: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> list[str]:
-    fa, w, p = cell.flash_attn, f"cell {cell.id}", []
+def _flash_problems(c: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> list[str]:
+    fa = c.flash_attn
     if fa.source not in FLASH_SOURCES:
-        return [f"{w}: flash_attn.source must be one of {FLASH_SOURCES}, not {fa.source!r}"]
+        return [f"flash_attn.source must be one of {FLASH_SOURCES}, not {fa.source!r}"]
     if fa.source == "none":
-        if not cell.cpu_only and not fa.why and not flash_unbuildable(upstream, cell.torch_public):
-            return [f"{w}: a GPU cell pins flash-attn (a wheel or the source build); say why it has none "
-                    "(flash_attn.why)"]
-        return []
+        unexplained = not c.cpu_only and not fa.why and not flash_unbuildable(upstream, c.torch_public)
+        return ["a GPU cell pins flash-attn (a wheel or the source build); say why it has none (flash_attn.why)"
+                ] if unexplained else []
     if not fa.version:
-        return [f"{w}: flash_attn.version is required when flash_attn.source = {fa.source!r}"]
+        return [f"flash_attn.version is required when flash_attn.source = {fa.source!r}"]
     rel = upstream.get("flash_attn", {}).get(fa.version, {})
-    if cxx_std(rel) < cxx_std(t):
-        p.append(f"{w}: flash-attn {fa.version} compiles with -std=c++{cxx_std(rel)}, torch {cell.torch_public}'s "
-                 f"headers need C++{cxx_std(t)}: it cannot be built or loaded against this torch")
-    min_sm = rel.get("min_sm")
-    if min_sm:
-        low = [a for a in cell.gpu_archs if Version(a) < Version(min_sm)]
-        if low:
-            p.append(f"{w}: FlashAttention-2 needs sm >= {min_sm}; drop {low} from gpu_archs")
+    low = [a for a in c.gpu_archs if rel.get("min_sm") and Version(a) < Version(rel["min_sm"])]
+    rules = [
+        (cxx_std(rel) < cxx_std(t), f"flash-attn {fa.version} compiles with -std=c++{cxx_std(rel)}, torch "
+         f"{c.torch_public}'s headers need C++{cxx_std(t)}: it cannot be built or loaded against this torch"),
+        (low, f"FlashAttention-2 needs sm >= {rel.get('min_sm')}; drop {low} from gpu_archs"),
+    ]
     if fa.source == "source":
-        if fa.wheel or fa.sha256:
-            p.append(f"{w}: flash_attn.source = 'source' takes no wheel/sha256")
-        if not _is_sha256(str(rel.get("sdist_sha256", ""))):
-            p.append(f"{w}: flash-attn {fa.version}'s source package has no sdist_sha256 in [upstream.flash_attn]")
-        return p
-    # source == "wheel": upstream must publish exactly this file.
-    cuda_major = cell.cuda.split(".")[0]
-    ok, why = flash_wheel_published(
-        upstream, fa.version, cell.torch_mm, cuda_major, cell.python, t["cxx11abi"]
-    )
-    if not ok:
-        p.append(f"{w}: {why}; use flash_attn.source = 'source' (built in the image)")
-        return p
-    expected = flash_wheel_name(fa.version, cuda_major, cell.torch_mm, t["cxx11abi"], cell.python)
-    if fa.wheel != expected:
-        p.append(
-            f"{w}: flash_attn.wheel must be {expected!r} (upstream's name for this torch/CUDA/Python/ABI)"
-        )
-    if not _is_sha256(fa.sha256):
-        p.append(f"{w}: flash_attn.sha256 must be the wheel's sha256 (64 lowercase hex digits); where it cannot "
-                 "be obtained, pin the source package instead (flash_attn.source = 'source')")
-    return p
-
-
-WHEEL_KEYS = {"torch": str, "cuda_major": str, "python": str, "cxx11abi": bool}
-
-
-def _validate_wheel_lists(version: str, rel: dict[str, Any]) -> list[str]:
-    """wheels_seen / wheels_missing of a flash-attn release: whole wheel descriptions, in one list at most."""
-    p, w = [], f"upstream.flash_attn.{version}"
-    for key in ("wheels_seen", "wheels_missing"):
-        for entry in rel.get(key, []):
-            if not isinstance(entry, dict) or set(entry) != set(WHEEL_KEYS) or not all(
-                    isinstance(entry[k], t) for k, t in WHEEL_KEYS.items()):
-                p.append(f"{w}: {key} entry {entry!r} must have exactly torch, cuda_major, python (strings) "
-                         "and cxx11abi (true/false)")
-    both = [e for e in rel.get("wheels_seen", []) if e in rel.get("wheels_missing", [])]
-    if both:
-        p.append(f"{w}: {both} are both in wheels_seen and wheels_missing")
-    return p
+        rules += [(fa.wheel or fa.sha256, "flash_attn.source = 'source' takes no wheel/sha256"),
+                  (not SHA256.fullmatch(str(rel.get("sdist_sha256", ""))),
+                   f"flash-attn {fa.version}'s source package has no sdist_sha256 in [upstream.flash_attn]")]
+    else:  # a wheel: upstream must publish exactly this file
+        ok, why = flash_wheel_published(upstream, fa.version, c.torch_mm, c.cuda_major, c.python, t["cxx11abi"])
+        expected = flash_wheel_name(fa.version, c.cuda_major, c.torch_mm, t["cxx11abi"], c.python)
+        rules += [(True, f"{why}; use flash_attn.source = 'source' (built in the image)")] if not ok else [
+            (fa.wheel != expected, f"flash_attn.wheel must be {expected!r} (upstream's name for this "
+             "torch/CUDA/Python/ABI)"),
+            (not SHA256.fullmatch(fa.sha256), "flash_attn.sha256 must be the wheel's sha256 (64 lowercase hex "
+             "digits); where it cannot be obtained, pin the source package instead (flash_attn.source = 'source')"),
+        ]
+    return [m for bad, m in rules if bad]
 
 
 def validate(matrix: Matrix) -> list[str]:
+    """Every problem of the matrix: its cells, the consistency of its upstream facts, its defaults."""
     problems: list[str] = []
-    seen: set[str] = set()
-    for c in matrix.cells:
-        if c.id in seen:
+    for i, c in enumerate(matrix.cells):
+        if any(o.id == c.id for o in matrix.cells[:i]):
             problems.append(f"cell {c.id}: duplicate id")
-        seen.add(c.id)
         problems.extend(validate_cell(c, matrix.upstream))
     for version, rel in matrix.upstream.get("torch", {}).items():
         extra = set(rel.get("cuda_experimental", [])) - set(rel.get("cuda", []))
         if extra:
             problems.append(f"upstream.torch.{version}: cuda_experimental {sorted(extra)} not in its cuda list")
     for version, rel in matrix.upstream.get("flash_attn", {}).items():
-        problems.extend(_validate_wheel_lists(version, rel))
-    for py, cell_id in matrix.quickstart.items():
-        cell = next((c for c in matrix.cells if c.id == cell_id), None)
-        if cell is None or cell.python != py:
-            problems.append(f"defaults.quickstart: Python {py} needs a cell for Python {py}, not {cell_id!r}")
-    for layer in matrix.layers:
-        if not (matrix.path.parent / f"{layer}.in").exists() and matrix.path.name == "matrix.toml":
-            problems.append(
-                f"defaults.layers names {layer!r} but {layer}.in does not exist beside the matrix"
-            )
-    return problems
+        for key in ("wheels_seen", "wheels_missing"):  # whole wheel descriptions, in one list at most
+            problems += [f"upstream.flash_attn.{version}: {key} entry {e!r} must have exactly torch, cuda_major, "
+                         "python (strings) and cxx11abi (true/false)" for e in rel.get(key, [])
+                         if not isinstance(e, dict) or set(e) != set(WHEEL_KEYS)
+                         or not all(isinstance(e[k], t) for k, t in WHEEL_KEYS.items())]
+        both = [e for e in rel.get("wheels_seen", []) if e in rel.get("wheels_missing", [])]
+        if both:
+            problems.append(f"upstream.flash_attn.{version}: {both} are both in wheels_seen and wheels_missing")
+    problems += [f"defaults.quickstart: Python {py} needs a cell for Python {py}, not {cell_id!r}"
+                 for py, cell_id in matrix.quickstart.items()
+                 if next((c.python for c in matrix.cells if c.id == cell_id), None) != py]
+    return problems + [f"defaults.layers names {layer!r} but {layer}.in does not exist beside the matrix"
+                       for layer in matrix.layers
+                       if matrix.path.name == "matrix.toml" and not (matrix.path.parent / f"{layer}.in").exists()]

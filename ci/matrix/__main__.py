@@ -5,22 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from ci.matrix import DEFAULT_PATH, Cell, Matrix, MatrixError, load
+from ci.matrix import DEFAULT_PATH, MatrixError, load
 from ci.matrix.explain import explain, table, write_tables
-
-
-def describe(m: Matrix, c: Cell) -> dict[str, Any]:
-    """The cell, where its packages come from, and `why`: the upstream facts behind each of its choices."""
-    return {**c.to_json(), "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c),
-            "flash_attn_none": m.flash_none_reason(c), "why": explain(m, c)}
-
-
-def _show_text(d: dict[str, Any]) -> str:
-    why = d.pop("why")
-    return "\n".join([*(f"{k:14} {v}" for k, v in d.items()), "why:", *(f"  {k:12} {v}" for k, v in why.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,21 +29,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "validate":
             print(f"{args.matrix.name}: {len(m.cells)} cells valid")
         elif args.cmd == "list":
-            quick = {cell: py for py, cell in m.quickstart.items()}
             for c in m.cells:
                 fa = c.flash_attn
                 fa_s = "no flash-attn" if fa.source == "none" else f"flash-attn {fa.version} ({fa.source})"
                 cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
-                qs = f"  Quick start for {quick[c.id]}" if c.id in quick else ""
+                qs = "".join(f"  Quick start for {py}" for py, cell in m.quickstart.items() if cell == c.id)
                 print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}{qs}")
         elif args.cmd == "table":
-            if args.write:
-                print("\n".join(f"updated {p}" for p in write_tables(m)) or "the tables are up to date")
-            else:
-                print(table(m))
+            print(("\n".join(f"updated {p}" for p in write_tables(m)) or "the tables are up to date")
+                  if args.write else table(m))
         else:
-            d = describe(m, m.get(args.cell))
-            print(json.dumps(d, indent=2) if args.json else _show_text(d))
+            # The cell, where its packages come from, and `why`: the upstream facts behind each of its choices.
+            c = m.get(args.cell)
+            d = {**{k: v for k, v in asdict(c).items() if k != "raw"}, "variant": c.variant,
+                 "index_url": m.index_url(c), "flash_attn_url": m.flash_wheel_url(c),
+                 "flash_attn_none": m.flash_none_reason(c)}
+            why = explain(m, c)
+            print(json.dumps({**d, "why": why}, indent=2) if args.json else "\n".join(
+                [*(f"{k:14} {v}" for k, v in d.items()), "why:", *(f"  {k:12} {v}" for k, v in why.items())]))
     except MatrixError as e:
         print(e, file=sys.stderr)
         return 1

@@ -3,16 +3,12 @@
     python -m ci.matrix.outdated            # or: nox -s lock -- --outdated
     python -m ci.matrix.outdated --record tests/cpu/data/pypi   # save PyPI's answers, trimmed, for the tests
 
-Asks PyPI's JSON API (https://pypi.org/pypi/<name>/json; NSA_PYPI_JSON_URL points at a mirror of it) about
-  torch       final releases of a minor the matrix has, newer than its newest patch there (the cells to
-              move), and releases of a newer minor (the cells to add: one per CPython with a Linux x86_64
-              wheel, named from the CUDA of PyPI's build where the response says it);
-  triton      releases newer than every triton a cell pins (torch pins triton: they come with a torch);
-  flash-attn  releases newer than the newest in [upstream.flash_attn] (with the sdist's sha256 to record);
-  tools       the packages named in the inputs of the tool locks ([defaults.tool_locks]: bootstrap, tools,
-              lint: nox, uv, ruff, ...) newer than the version their lock pins.
-Pre-releases and fully yanked releases do not count. Exit 0 when nothing is new, 1 when something is (each
-with what to do), 2 when PyPI cannot be asked. The weekly `outdated` workflow runs it.
+Asks PyPI's JSON API (https://pypi.org/pypi/<name>/json; NSA_PYPI_JSON_URL for a mirror of it) about torch
+(patch releases of the matrix's minors: cells to move; newer minors: cells to add, per CPython with a Linux
+x86_64 wheel, named from the CUDA of PyPI's build), triton (newer than every cell's), flash-attn (newer than
+[upstream.flash_attn], with the sdist's sha256) and the packages the tool locks' inputs name (newer than
+their lock's pin). Pre-releases and fully yanked releases do not count. Exit 0 when nothing is new, 1 when
+something is (each with what to do), 2 when PyPI cannot be asked. The weekly `outdated` workflow runs it.
 """
 
 from __future__ import annotations
@@ -58,29 +54,23 @@ def fetch_pypi(name: str, base: str | None = None, timeout: float = 30.0) -> dic
         return json.load(response)
 
 
-def final_releases(doc: dict[str, Any]) -> list[Version]:
-    """Final (not pre-, not dev-) releases with at least one file that is not yanked, oldest first."""
-    out = []
+def _releases(doc: dict[str, Any]):
+    """(raw version, Version, its files that are not yanked) of every release with a PEP 440 version."""
     for raw, files in doc.get("releases", {}).items():
         try:
-            v = Version(raw)
+            yield raw, Version(raw), [f for f in files if not f.get("yanked")]
         except InvalidVersion:
             continue
-        if v.is_prerelease or v.is_devrelease or not any(not f.get("yanked") for f in files):
-            continue
-        out.append(v)
-    return sorted(out)
+
+
+def final_releases(doc: dict[str, Any]) -> list[Version]:
+    """Final (not pre-, not dev-) releases with at least one file that is not yanked, oldest first."""
+    return sorted(v for _, v, files in _releases(doc) if files and not (v.is_prerelease or v.is_devrelease))
 
 
 def _files(doc: dict[str, Any], version: Version) -> list[dict[str, Any]]:
     """The files of a release that are not yanked."""
-    for raw, files in doc.get("releases", {}).items():
-        try:
-            if Version(raw) == version:
-                return [f for f in files if not f.get("yanked")]
-        except InvalidVersion:
-            continue
-    return []
+    return next((files for _, v, files in _releases(doc) if v == version), [])
 
 
 def _mm(v: Version) -> str:
@@ -92,12 +82,9 @@ def _mm(v: Version) -> str:
 
 def linux_pythons(doc: dict[str, Any], version: Version) -> list[str]:
     """CPython versions ("3.12") with a manylinux x86_64 wheel of this torch release (no free-threaded)."""
-    found = set()
-    for f in _files(doc, version):
-        m = re.fullmatch(r"torch-[^-]+-cp(\d)(\d+)-cp\d+-manylinux[^-]*x86_64\.whl", f.get("filename", ""))
-        if m:
-            found.add(f"{m.group(1)}.{m.group(2)}")
-    return sorted(found, key=Version)
+    tags = (re.fullmatch(r"torch-[^-]+-cp(\d)(\d+)-cp\d+-manylinux[^-]*x86_64\.whl", f.get("filename", ""))
+            for f in _files(doc, version))
+    return sorted({f"{m.group(1)}.{m.group(2)}" for m in tags if m}, key=Version)
 
 
 def pypi_build(doc: dict[str, Any], version: Version) -> tuple[str, str]:
@@ -131,13 +118,11 @@ def check_torch(matrix: Matrix, doc: dict[str, Any]) -> Finding:
     for v in releases:
         mm = _mm(v)
         if mm in newest_per_minor and v > newest_per_minor[mm]:
-            cells = [c.id for c in matrix.cells if c.torch_mm == mm]
-            new.append(str(v))
-            todo.append(f"torch {v}: a patch release of {mm}: add [upstream.torch.\"{v}\"] and move "
-                        f"{', '.join(cells) or 'no cell'} to it")
+            cells = ", ".join(c.id for c in matrix.cells if c.torch_mm == mm) or "no cell"
+            new, todo = new + [str(v)], todo + [f"torch {v}: a patch release of {mm}: add [upstream.torch.\"{v}\"] "
+                                                f"and move {cells} to it"]
         elif v > newest_known and (v.major, v.minor) > (newest_known.major, newest_known.minor):
-            new.append(str(v))
-            todo.append(_new_minor(v, doc))
+            new, todo = new + [str(v)], todo + [_new_minor(v, doc)]
     return Finding("torch", str(newest_known), str(releases[-1]) if releases else "?", new, todo)
 
 
@@ -217,31 +202,21 @@ def check_tool(name: str, pins: dict[str, Version], doc: dict[str, Any]) -> Find
 
 
 def outdated(matrix: Matrix, fetch: Fetch) -> list[Finding]:
-    findings = [check_torch(matrix, fetch("torch")), check_triton(matrix, fetch("triton")),
-                check_flash_attn(matrix, fetch("flash-attn"))]
-    for name, pins in sorted(tool_pins(matrix).items()):
-        findings.append(check_tool(name, pins, fetch(name)))
-    return findings
+    return [check_torch(matrix, fetch("torch")), check_triton(matrix, fetch("triton")),
+            check_flash_attn(matrix, fetch("flash-attn")),
+            *(check_tool(name, pins, fetch(name)) for name, pins in sorted(tool_pins(matrix).items()))]
 
 
 def trim(name: str, doc: dict[str, Any], floor: Version) -> dict[str, Any]:
     """PyPI's document cut down to what this module reads: releases from `floor` on, and of their files
     the names and yanked flags (torch: its manylinux x86_64 wheels; flash-attn: the sdist with its digest);
     Requires-Dist of torch's newest release."""
-    releases = {}
-    for raw, files in doc.get("releases", {}).items():
-        try:
-            if Version(raw) < floor:
-                continue
-        except InvalidVersion:
-            continue
-        if name == "torch":
-            files = [f for f in files if re.search(r"manylinux[^-]*x86_64\.whl$", f.get("filename", ""))]
-        elif name == "flash-attn":
-            files = [f for f in files if f.get("packagetype") == "sdist"]
-        keep = ("filename", "yanked", "packagetype") + (("digests",) if name == "flash-attn" else ())
-        releases[raw] = [{k: ({"sha256": f[k]["sha256"]} if k == "digests" else f[k]) for k in keep if k in f}
-                         for f in (files if name in ("torch", "flash-attn") else files[:1])]
+    keep = ("filename", "yanked", "packagetype") + (("digests",) if name == "flash-attn" else ())
+    wanted = {"torch": lambda f: re.search(r"manylinux[^-]*x86_64\.whl$", f.get("filename", "")),
+              "flash-attn": lambda f: f.get("packagetype") == "sdist"}.get(name)
+    releases = {raw: [{k: ({"sha256": f[k]["sha256"]} if k == "digests" else f[k]) for k in keep if k in f}
+                      for f in ([f for f in doc["releases"][raw] if wanted(f)] if wanted else doc["releases"][raw][:1])]
+                for raw, version, _ in _releases(doc) if version >= floor}
     info = {"version": doc["info"]["version"]}
     if name == "torch":
         info["requires_dist"] = [r for r in doc["info"].get("requires_dist") or []
@@ -272,14 +247,10 @@ def recorded(directory: Path) -> Fetch:
 
 
 def render(findings: list[Finding]) -> str:
-    lines = []
-    for f in findings:
-        state = f"NEW: {', '.join(f.new)}" if f.new else "up to date"
-        lines.append(f"{f.what:18} {'matrix/lock: ' + f.baseline:52} PyPI: {f.newest:14} {state}")
+    lines = [f"{f.what:18} {'matrix/lock: ' + f.baseline:52} PyPI: {f.newest:14} "
+             f"{'NEW: ' + ', '.join(f.new) if f.new else 'up to date'}" for f in findings]
     todo = [t for f in findings for t in f.todo]
-    if todo:
-        lines += ["", "To do:"] + [f"  - {t}" for t in todo]
-    lines.append("")
+    lines += (["", "To do:"] + [f"  - {t}" for t in todo] if todo else []) + [""]
     lines.append(f"outdated: {sum(bool(f.new) for f in findings)} of {len(findings)} packages have newer releases"
                  if todo else f"outdated: all {len(findings)} packages are up to date")
     return "\n".join(lines)
@@ -292,15 +263,14 @@ def main(argv: list[str] | None = None, fetch: Fetch | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         matrix = load(args.matrix)
-    except MatrixError as e:
-        print(e, file=sys.stderr)
-        return 2
-    try:
         if args.record:
             paths = record(matrix, args.record, fetch or fetch_pypi)
             print(f"recorded {len(paths)} documents in {args.record}")
             return 0
         findings = outdated(matrix, fetch or fetch_pypi)
+    except MatrixError as e:
+        print(e, file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors; a bad document is a ValueError
         base = os.environ.get("NSA_PYPI_JSON_URL") or PYPI_JSON
         print(f"outdated: cannot ask PyPI's JSON API ({base}): {e}", file=sys.stderr)

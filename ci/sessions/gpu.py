@@ -1,14 +1,8 @@
-"""The GPU sessions' logic: gpu_parity, backward, bench, oneshot (docs/gpu-suites.md).
+"""The GPU sessions' logic: gpu_parity, backward, bench, oneshot (docs/gpu-suites.md lists their options).
 
-The nox sessions are thin wrappers around `main()`; without nox the same runs as
-    python -m ci.sessions.gpu gpu_parity backward bench [--skip-no-gpu] [--full] [-- PYTEST_ARGS]
-
-Options (nox: after `--`): --skip-no-gpu (or NSA_SKIP_NO_GPU=1): on a machine with no GPU, skip instead
-of failing; --full: the long bench sweeps; --out DIR: artifact base (default artifacts/, or NSA_ARTIFACTS);
--n N|auto: pytest-xdist workers (default: one per visible GPU when there are several); anything else goes
-to pytest. Every step's output lands in artifacts/<commit>/<cell>/<gpu-slug>/ (ci/evidence/artifacts.py), and
-summary.md / known_good.json are re-rendered after each session.
-"""
+The nox sessions wrap `main()`; without nox: `python -m ci.sessions.gpu gpu_parity backward bench [-- ARGS]`.
+Every step's output lands in artifacts/<commit>/<cell>/<gpu-slug>/ (ci/evidence/artifacts.py); the sessions of
+one invocation are one run (NSA_RUN_ID, set once when unset)."""
 
 from __future__ import annotations
 
@@ -19,11 +13,13 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.evidence import artifacts as A
 from ci.sessions.install import install_cell
+from ci.sessions.overlay import MARKER as OVERLAY_MARKER
 
 ROOT = A.ROOT
 SESSIONS = ("gpu_parity", "backward", "bench", "oneshot")
@@ -35,10 +31,15 @@ EXPECTED = {
     "gpu_parity": ["tests/gpu/test_fa2_parity.py", "tests/gpu/test_decode_gpu.py"],
     "backward": ["tests/gpu/test_backward_varlen.py", "tests/gpu/test_gradcheck_gpu.py"],
 }
+# Seconds per suite (a deadline for all of its commands) and per test; --full sweeps take longer.
+SUITE_TIMEOUT_S = {"gpu_parity": 2400, "backward": 2400, "bench": 2400}
+FULL_BENCH_TIMEOUT_S, TEST_TIMEOUT_S = 4 * 3600, 900
+# Workers share a GPU: growable segments keep each worker's cache from fragmenting the shared memory.
+_SHARED_GPU = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 SUITE_ENV = {
     # The seeds' opt-in toggles: GPU tests that gate themselves on these run.
-    "gpu_parity": {"NSA_TEST_FA2": "1", "NSA_TEST_GPU": "1", "NSA_DEBUG_LOG": "1", "NSA_LOG_LIMIT": "5"},
-    "backward": {"NSA_TEST_FA2": "1", "NSA_TEST_GPU": "1", "NSA_TEST_TRAIN": "1"},
+    "gpu_parity": {"NSA_TEST_FA2": "1", "NSA_TEST_GPU": "1", "NSA_DEBUG_LOG": "1", "NSA_LOG_LIMIT": "5", **_SHARED_GPU},
+    "backward": {"NSA_TEST_FA2": "1", "NSA_TEST_GPU": "1", "NSA_TEST_TRAIN": "1", **_SHARED_GPU},
 }
 
 
@@ -53,6 +54,8 @@ class Options:
     out: Path = field(default_factory=lambda: Path(os.environ.get("NSA_ARTIFACTS", str(ROOT / "artifacts"))))
     workers: str | None = None
     pytest_args: list[str] = field(default_factory=list)
+    suite_timeout: float | None = None
+    test_timeout: float | None = None
 
 
 def parse_args(argv: list[str], environ=os.environ) -> Options:
@@ -62,12 +65,20 @@ def parse_args(argv: list[str], environ=os.environ) -> Options:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("-n", "--numprocesses", dest="workers")
+    ap.add_argument("--suite-timeout", type=float)
+    ap.add_argument("--test-timeout", type=float, default=float(environ.get("NSA_TEST_TIMEOUT") or TEST_TIMEOUT_S))
     known, rest = ap.parse_known_args([a for a in argv if a != "--"])
     skip = known.skip_no_gpu or environ.get("NSA_SKIP_NO_GPU", "") not in ("", "0")
-    return Options(skip, known.full, known.out or Options().out, known.workers, rest)
+    return Options(skip, known.full, known.out or Options().out, known.workers, rest, known.suite_timeout,
+                   known.test_timeout)
 
 
-# --- the GPU check -------------------------------------------------------------------------------------
+def suite_timeout(suite: str, opts: Options, environ) -> float:
+    """--suite-timeout, else NSA_SUITE_TIMEOUT_<SUITE>, else the suite's default."""
+    env = environ.get(f"NSA_SUITE_TIMEOUT_{suite.upper()}")
+    default = FULL_BENCH_TIMEOUT_S if suite == "bench" and opts.full else SUITE_TIMEOUT_S[suite]
+    return float(opts.suite_timeout or env or default)
+
 
 GPU_PROBE = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
              "'cuda': torch.version.cuda, 'count': torch.cuda.device_count() if ok else 0, "
@@ -97,15 +108,9 @@ def no_gpu_message(session: str, why: str) -> str:
 def require_gpu(session: str, python: str, opts: Options, env: dict | None = None, probe=probe_gpus) -> dict | None:
     """The probe's dict when torch sees a GPU; None when there is none and skipping was asked; else NoGPU."""
     info = probe(python, env)
-    if info.get("count", 0) > 0:
-        return info
-    why = info.get("error") or f"torch {info.get('torch')} (CUDA {info.get('cuda')}) sees no GPU"
-    if opts.skip_no_gpu:
-        return None
-    raise NoGPU(no_gpu_message(session, why))
-
-
-# --- context -------------------------------------------------------------------------------------------
+    if info.get("count", 0) > 0 or opts.skip_no_gpu:
+        return info if info.get("count", 0) > 0 else None
+    raise NoGPU(no_gpu_message(session, info.get("error") or f"torch {info.get('torch')} sees no GPU"))
 
 
 @dataclass
@@ -116,6 +121,17 @@ class Ctx:
     run: A.RunDir
     gpus: int
     log: callable = print
+    deadline: float = float("inf")  # the running suite's, time.monotonic()
+    timed_out: bool = False
+
+    def sh(self, cmd: list[str], log: str, extra_env: dict | None = None, echo: bool = True) -> A.Result:
+        """run_logged within the running suite's time limit; past it, a command is not started (rc 124)."""
+        left = self.deadline - time.monotonic()
+        path = self.run.path / "logs" / log
+        res = (A.run_logged(cmd, path, env=self.child_env(extra_env), timeout=left, echo=echo) if left > 0 else
+               A.Result(124, 0.0, ["not started: the suite's time limit was used up"], path))
+        self.timed_out |= res.returncode == 124
+        return res
 
     def child_env(self, extra: dict | None = None) -> dict:
         env = dict(self.env)
@@ -126,38 +142,53 @@ class Ctx:
 
 
 def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=print) -> Ctx:
-    base = opts.out if opts.out.is_absolute() else ROOT / opts.out
-    commit, dirty = A.git_commit()
-    tmp = base / ".env-probe.json"
+    base = (opts.out if opts.out.is_absolute() else ROOT / opts.out).resolve()
+    commit = A.git_commit(environ=env, exclude=str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else None)
     base.mkdir(parents=True, exist_ok=True)
-    report = A.collect_env(python, tmp, env=env)
+    # The sessions of one run share an interpreter: the environment report and the lock check are made once
+    # per run and interpreter (seconds each, three sessions a run).
+    cache = base / f".env-{A.slug_path(env['NSA_RUN_ID'])}.json"
+    cached = json.loads(cache.read_text()) if cache.exists() else {}
+    tmp = base / ".env-probe.json"
+    if cached.get("python") == python and cached.get("report"):
+        report = cached["report"]
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+    else:
+        report, cached = A.collect_env(python, tmp, env=env), {}
     cell = env.get("NSA_CELL") or report.get("cell") or "unknown"
     gpus = report.get("gpus") or [{"name": n} for n in gpu_info.get("names", [])]
-    run = A.RunDir.create(base, commit, cell, gpus, dirty)
+    run = A.RunDir.create(base, cell, gpus, run_id=env["NSA_RUN_ID"], commit=commit,
+                          github=A.github_context(env), log=log)
     shutil.move(str(tmp), run.path / "env.json")
     run.set_env(report)
     if not report.get("gpus") and gpu_info.get("names"):
         run.state["env"].update(gpus=gpu_info["names"], gpu=gpu_info["names"][0], gpu_count=len(gpu_info["names"]))
-    check = None
-    try:
+    ctx = Ctx(python=python, opts=opts, env=env, run=run, gpus=max(1, int(gpu_info.get("count", 1))), log=log)
+    check = cached.get("lock_check")
+    try:  # a file of the set is named after the cell and given relative to its folder: nsa.env reads the build
+        # variant (cu130) from the name's start, so that a +cu130 torch is not counted as drift
         expected = expected_set(cell, report, run.path)
-        # A file of the set is named after the cell and given relative to its folder: nsa.env reads the build
-        # variant (cu130) from the name's start, so that a +cu130 torch is not counted as drift.
-        cwd = run.path if expected != cell else ROOT
-        child = {**env, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)}
-        p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], cwd=cwd, env=child,
-                           capture_output=True, text=True, timeout=300)
-        check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}
+        if check is None:
+            p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], env=ctx.child_env(),
+                               cwd=run.path if expected != cell else ROOT, capture_output=True, text=True,
+                               timeout=300)
+            check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         check = {"error": str(e)}
+    if not report.get("error") and not check.get("error"):
+        cache.write_text(json.dumps({"python": python, "report": report, "lock_check": check}) + "\n")
     (run.path / "lock-check.json").write_text(json.dumps(check, indent=2) + "\n")
     run.set_lock(cell, check)
+    marker = Path(python).parent.parent / OVERLAY_MARKER  # the interpreter of an overlay venv (overlay.py)
+    run.state["overlay"] = json.loads(marker.read_text()) if marker.exists() else None
     if shutil.which("nvidia-smi"):
-        p = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+        p = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=120)
         (run.path / "nvidia-smi.txt").write_text(p.stdout + p.stderr)
     run.save()
-    log(f"artifacts: {run.path}")
-    return Ctx(python=python, opts=opts, env=env, run=run, gpus=max(1, int(gpu_info.get("count", 1))), log=log)
+    tree = {True: "dirty", False: "clean"}.get(commit["dirty"], "not checked")
+    log(f"artifacts: {run.path} (run {run.state['run_id']}, commit {commit['commit_short']} from "
+        f"{commit['commit_source']}, tree {tree})")
+    return ctx
 
 
 def expected_set(cell: str, report: dict, run_dir: Path) -> str:
@@ -178,20 +209,19 @@ def expected_set(cell: str, report: dict, run_dir: Path) -> str:
         return cell
 
 
-# --- suites --------------------------------------------------------------------------------------------
-
-
 def suite_files(suite: str) -> tuple[list[str], list[str]]:
     """(files to run, expected files that are missing)."""
-    gpu_dir = ROOT / "tests" / "gpu"
-    found = sorted(str(p.relative_to(ROOT)) for p in gpu_dir.glob("test_*.py"))
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    files = [f for f in found if Path(f).name.startswith(BACKWARD_PATTERNS) == (suite == "backward")]
+    return files, [f for f in EXPECTED.get(suite, []) if not (ROOT / f).exists()]
 
-    def is_backward(f):
-        return Path(f).name.startswith(BACKWARD_PATTERNS)
 
-    files = [f for f in found if is_backward(f) == (suite == "backward")]
-    missing = [f for f in EXPECTED.get(suite, []) if not (ROOT / f).exists()]
-    return files, missing
+def has_module(python: str, name: str, env: dict) -> bool:
+    try:
+        p = subprocess.run([python, "-c", f"import {name}"], env=env, capture_output=True, timeout=120)
+        return p.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> bool:
@@ -199,15 +229,19 @@ def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> 
     junit = run.path / f"junit-{suite}.xml"
     cmd = [ctx.python, "-m", "pytest", *files, f"--junitxml={junit}", "-o", f"junit_suite_name={suite}",
            "-o", "junit_logging=all", "-p", "ci.sessions.gpu_split", "-rfEs", "-q"]
-    workers = ctx.opts.workers or (str(ctx.gpus) if ctx.gpus > 1 else None)
-    if workers and workers != "0":
-        cmd += ["-n", workers, "--dist", "loadfile"]
+    # Several workers share each GPU (tests/gpu/_pinning.py: -n auto); tests marked big_gpu_memory share one
+    # xdist group, so loadgroup runs them one at a time (tests/gpu/_sharing.py).
+    workers = ctx.opts.workers or "auto"
+    if workers != "0":
+        cmd += ["-n", workers, "--dist", "loadgroup"]
     cmd += ctx.opts.pytest_args
+    if not any(a.startswith("--timeout") for a in cmd) and has_module(ctx.python, "pytest_timeout", ctx.env):
+        cmd += ["--timeout", f"{ctx.opts.test_timeout:g}"]  # one hung test must not eat the whole suite's limit
     if not files:
         res = A.Result(5, 0.0, [], run.path / "logs" / f"{suite}.log")
         res.log.write_text("no test files found under tests/gpu for this suite\n")
     else:
-        res = A.run_logged(cmd, run.path / "logs" / f"{suite}.log", env=ctx.child_env(SUITE_ENV.get(suite)))
+        res = ctx.sh(cmd, f"{suite}.log", SUITE_ENV.get(suite))
     counts = A.parse_junit(junit)
     status, notes = A.suite_status(res.returncode, counts, missing)
     run.record_suite(suite, status=status, runtime_s=round(res.seconds, 2), counts=counts, notes=notes,
@@ -219,92 +253,57 @@ def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> 
     return status == A.PASS
 
 
-def routing_step(ctx: Ctx) -> bool:
-    """The seeds' 'one run with NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5': routing log + telemetry counters + sanity."""
-    res = A.run_logged([ctx.python, "-m", "ci.sessions.routing_probe", "--device", "cuda", "--out",
-                        str(ctx.run.path / "telemetry.json")], ctx.run.path / "logs" / "routing.log",
-                       env=ctx.child_env({"NSA_DEBUG_LOG": "1", "NSA_LOG_LIMIT": "5"}))
-    ok = res.returncode == 0
-    ctx.run.record_step("routing+sanity", A.PASS if ok else A.FAIL, res.seconds, ctx.run.rel(res.log),
-                        "" if ok else (res.tail[-1] if res.tail else f"exit {res.returncode}"))
-    return ok
+def beside_tests(ctx: Ctx, suite: str, steps: dict[str, tuple[list[str], str, dict | None, str]]) -> bool:
+    """The suite's pytest run with `steps` (name: (cmd, log, env, what it shows)) running beside it: they are
+    correctness checks, not timings, and a cold GPU suite is mostly compiling on the CPU. Their output goes to
+    their logs only. A failed step fails the suite. Returns whether the suite passed."""
+    with ThreadPoolExecutor(len(steps)) as pool:
+        running = {name: pool.submit(ctx.sh, cmd, log, env, False) for name, (cmd, log, env, _) in steps.items()}
+        ok = pytest_suite(ctx, suite, *suite_files(suite))
+    steps_ok = True
+    for name, future in running.items():
+        res, good = future.result(), future.result().returncode == 0
+        steps_ok &= good
+        ctx.run.record_step(name, A.PASS if good else A.FAIL, res.seconds, ctx.run.rel(res.log),
+                            steps[name][3] if good else (res.tail[-1] if res.tail else f"exit {res.returncode}"))
+        ctx.log(f"{name}: {'PASS' if good else 'FAIL'} in {res.seconds:.1f} s ({ctx.run.rel(res.log)})")
+        if not good:
+            ctx.run.state["suites"][suite]["status"] = A.FAIL
+            ctx.run.state["suites"][suite].setdefault("notes", []).append(f"{name} failed ({ctx.run.rel(res.log)})")
+    return ok and steps_ok
 
 
 def run_gpu_parity(ctx: Ctx) -> bool:
-    routing_ok = routing_step(ctx)
-    files, missing = suite_files("gpu_parity")
-    ok = pytest_suite(ctx, "gpu_parity", files, missing)
-    return ok and routing_ok
+    # The seeds' runbook: one run with NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5 (routing log, telemetry, sanity).
+    probe = ([ctx.python, "tests/gpu/routing_probe.py", "--device", "cuda", "--out",
+              str(ctx.run.path / "telemetry.json")], "routing.log", {"NSA_DEBUG_LOG": "1", "NSA_LOG_LIMIT": "5"},
+             "routing log, telemetry counters, finite outputs and gradients")
+    return beside_tests(ctx, "gpu_parity", {"routing+sanity": probe})
 
 
 def run_backward(ctx: Ctx) -> bool:
-    files, missing = suite_files("backward")
-    t0 = time.perf_counter()
-    ok = pytest_suite(ctx, "backward", files, missing)
-    # Training smoke of the tiny model (nsa.smoke: loss must fall, generate == uncached, routing visible).
-    smoke_ok = True
-    for dtype in ("float32", "bfloat16"):
-        out = ctx.run.path / f"smoke-{dtype}"
-        res = A.run_logged([ctx.python, "-m", "nsa.smoke", "--device", "cuda", "--dtype", dtype, "--out", str(out)],
-                           ctx.run.path / "logs" / f"train-smoke-{dtype}.log", env=ctx.child_env())
-        good = res.returncode == 0
-        smoke_ok &= good
-        ctx.run.record_step(f"train smoke ({dtype})", A.PASS if good else A.FAIL, res.seconds, ctx.run.rel(res.log),
-                            "nsa.smoke: loss falls, generate matches uncached" if good else f"exit {res.returncode}")
-    s = ctx.run.state["suites"]["backward"]
-    s["runtime_s"] = round(time.perf_counter() - t0, 2)
-    if not smoke_ok:
-        s["status"] = A.FAIL
-        s.setdefault("notes", []).append("training smoke (python -m nsa.smoke --device cuda) failed")
-    return ok and smoke_ok
+    # The tiny model's training smoke (nsa.smoke: loss must fall, generate == uncached), in fp32 and bf16.
+    smokes = {f"train smoke ({dtype})": ([ctx.python, "-m", "nsa.smoke", "--device", "cuda", "--dtype", dtype, "--out",
+                                          str(ctx.run.path / f"smoke-{dtype}")], f"train-smoke-{dtype}.log", None,
+                                         "nsa.smoke: loss falls, generate matches uncached")
+              for dtype in ("float32", "bfloat16")}
+    return beside_tests(ctx, "backward", smokes)
 
-
-# --- benches -------------------------------------------------------------------------------------------
 
 BENCHES = {
-    # name: (script, quick args, full args). Quick: about a minute each on an H100; full: the long sweeps.
-    # Options a bench's --help does not list are dropped (with their values); --csv / --out / --device are
-    # added when listed, pointing into the run directory.
-    "prefill": ("bench/bench_prefill.py",
+    # name: (script, quick args, full args); each gets its output file in the run directory and --device cuda.
+    # Quick: seconds each on an H100 (the suites must finish in minutes); full: the long sweeps.
+    "prefill": ("bench/bench_prefill.py", "--csv",
                 ["--T_list", "1024,4096", "--iters", "3", "--warmup", "1", "--backend", "auto"],
                 ["--T_list", "1024,2048,4096,8192,16384,32768", "--iters", "5", "--warmup", "1", "--backend", "auto"]),
-    "decode": ("bench/bench_decode.py",
-               ["--S_list", "1024,4096", "--iters", "32", "--warmup", "4"],
+    "decode": ("bench/bench_decode.py", "--csv", ["--S_list", "1024,4096", "--iters", "32", "--warmup", "4"],
                ["--B", "1", "--dim", "256", "--heads", "8", "--groups", "2", "--dk", "32", "--dv", "32", "--l", "32",
                 "--d", "16", "--l_sel", "64", "--n_sel", "16", "--w", "512",
                 "--S_list", "512,1024,2048,4096,16384,65536", "--iters", "64", "--warmup", "8",
                 "--branch_force_mode", "env"]),
-    "fa2": ("bench/bench_fa2.py",
-            ["--T", "1024,4096,16384", "--D", "128", "--iters", "3", "--max-seconds", "60"],
+    "fa2": ("bench/bench_fa2.py", "--out", ["--T", "1024,4096", "--D", "128", "--iters", "3", "--max-seconds", "30"],
             ["--max-seconds", "400"]),
 }
-
-
-def _bench_flags(python: str, script: Path, env: dict) -> str:
-    try:
-        p = subprocess.run([python, str(script), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=300)
-        return p.stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def known_flags(args: list[str], help_text: str) -> list[str]:
-    """args without the options (and their values) that the bench's --help does not mention."""
-    out, i = [], 0
-    while i < len(args):
-        a = args[i]
-        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        if a.startswith("--") and a.split("=")[0] not in help_text:
-            i += 2 if takes_value else 1
-            continue
-        out.append(a)
-        if takes_value:
-            out.append(args[i + 1])
-        i += 2 if takes_value else 1
-    return out
-
-
 TABLE_RULE_CHARS = "└┌├┏┡┗━─┃"
 
 
@@ -321,26 +320,17 @@ def _summary_lines(tail: list[str]) -> list[str]:
 
 def run_bench(ctx: Ctx) -> bool:
     run = ctx.run
-    t0 = time.perf_counter()
     ok = True
-    for name, (script, quick, full) in BENCHES.items():
-        path = ROOT / script
-        if not path.exists():
+    for name, (script, out_flag, quick, full) in BENCHES.items():
+        if not (ROOT / script).exists():
             run.record_bench(name, status="MISSING", runtime_s=0, note=f"{script} not found", summary=[])
             ctx.log(f"bench {name}: {script} not found")
             ok = False
             continue
-        flags = _bench_flags(ctx.python, path, ctx.child_env())
-        clean = known_flags(list(full if ctx.opts.full else quick), flags)
-        csv = run.path / f"bench-{name}.csv"
-        cmd = [ctx.python, script, *clean]
-        if "--csv" in flags:
-            cmd += ["--csv", str(csv)]
-        elif "--out" in flags:
-            cmd += ["--out", str(run.path / f"bench-{name}")]
-        if "--device" in flags:
-            cmd += ["--device", "cuda"]
-        res = A.run_logged(cmd, run.path / "logs" / f"bench-{name}.log", env=ctx.child_env())
+        out = run.path / (f"bench-{name}.csv" if out_flag == "--csv" else f"bench-{name}")
+        cmd = [ctx.python, script, *(full if ctx.opts.full else quick), out_flag, str(out)]
+        cmd += ["--device", "cuda"] if name != "fa2" else []  # bench_fa2 runs on CUDA only
+        res = ctx.sh(cmd, f"bench-{name}.log")
         good = res.returncode == 0
         ok &= good
         outputs = [run.rel(p) for p in sorted(run.path.glob(f"bench-{name}*")) if p.is_file()]
@@ -355,7 +345,7 @@ def run_bench(ctx: Ctx) -> bool:
         notes.append(f"no stored baseline for {gate.get('class')}: figures recorded, not compared "
                      "(python -m ci.evidence.bench_gate promote ... to store them)")
     status = A.PASS if ok and gate_ok else A.FAIL
-    run.record_suite("bench", status=status, runtime_s=round(time.perf_counter() - t0, 2), notes=notes)
+    run.record_suite("bench", status=status, notes=notes)
     ctx.log(f"bench: {status}" + ("; " + "; ".join(notes) if notes else ""))
     return status == A.PASS
 
@@ -363,10 +353,10 @@ def run_bench(ctx: Ctx) -> bool:
 def bench_gate(ctx: Ctx) -> bool:
     run = ctx.run
     head = run.path / "bench-headline.json"
-    cmd = [ctx.python, "-m", "ci.evidence.bench_headline", "--device", "cuda", "--out", str(head)]
+    cmd = [ctx.python, "bench/bench_headline.py", "--device", "cuda", "--out", str(head)]
     if ctx.opts.full:
         cmd.append("--full")
-    res = A.run_logged(cmd, run.path / "logs" / "bench-headline.log", env=ctx.child_env())
+    res = ctx.sh(cmd, "bench-headline.log")
     if res.returncode != 0 or not head.exists():
         run.state["gate"] = {"status": A.FAIL, "class": None,
                              "lines": [f"headline bench failed (exit {res.returncode})"]}
@@ -387,25 +377,35 @@ def bench_gate(ctx: Ctx) -> bool:
     return result["status"] != G.FAIL
 
 
-# --- oneshot -------------------------------------------------------------------------------------------
-
-
 def run_oneshot(ctx: Ctx) -> bool:
     """The seeds' runbook in order: environment, routing, sanity, tests, benches, report. Every step runs;
     the result fails when any step failed (the seeds' runner ignored failures)."""
-    run = ctx.run
-    env_ok = not (run.state.get("env") or {}).get("env_error")
-    run.record_step("environment", A.PASS if env_ok else A.FAIL, 0.0, "env.json",
-                    "env.json, lock-check.json, nvidia-smi.txt")
-    ok = env_ok
-    ok &= run_gpu_parity(ctx)  # routing + sanity probe, then the parity tests
-    ok &= run_backward(ctx)
-    ok &= run_bench(ctx)
-    run.record_step("report", A.PASS, 0.0, "summary.md", "summary.md, known_good.json, README.md")
+    env_ok = not (ctx.run.state.get("env") or {}).get("env_error")
+    ctx.run.record_step("environment", A.PASS if env_ok else A.FAIL, 0.0, "env.json",
+                        "env.json, lock-check.json, nvidia-smi.txt")
+    ok = all([run_suite(ctx, name) for name in A.PLANNED_SUITES]) and env_ok  # a list: every suite runs
+    ctx.run.record_step("report", A.PASS, 0.0, "summary.md", "summary.md, known_good.json")
     return ok
 
 
-RUNNERS = {"gpu_parity": run_gpu_parity, "backward": run_backward, "bench": run_bench, "oneshot": run_oneshot}
+RUNNERS = {"gpu_parity": run_gpu_parity, "backward": run_backward, "bench": run_bench}
+
+
+def run_suite(ctx: Ctx, name: str) -> bool:
+    """One suite within its time limit: recorded RUNNING (and saved) first, then its runner's record, timed whole."""
+    limit = suite_timeout(name, ctx.opts, ctx.env)
+    ctx.run.begin_suite(name, limit)
+    ctx.deadline, ctx.timed_out, t0 = time.monotonic() + limit, False, time.perf_counter()
+    ok = RUNNERS[name](ctx)
+    s = ctx.run.state["suites"][name]
+    s["runtime_s"], ctx.deadline = round(time.perf_counter() - t0, 2), float("inf")
+    if ctx.timed_out:
+        s.setdefault("notes", []).append(f"timed out: the suite's limit of {limit:g} s was reached (--suite-timeout "
+                                         f"or NSA_SUITE_TIMEOUT_{name.upper()})")
+    if ctx.timed_out or s["status"] == A.RUNNING:
+        s["status"] = A.FAIL
+    ctx.run.save()
+    return ok and s["status"] == A.PASS
 
 
 @dataclass
@@ -418,6 +418,7 @@ class Outcome:
 def main(session: str, python: str, argv: list[str], env: dict | None = None, log=print, probe=probe_gpus) -> Outcome:
     """Run one GPU session's logic in `python` (the session's interpreter). Never raises for a failed suite."""
     env = dict(os.environ if env is None else env)
+    env.setdefault("NSA_RUN_ID", A.new_run_id(env))  # a caller that set none: this session is a run of its own
     opts = parse_args(argv, env)
     try:
         info = require_gpu(session, python, opts, env, probe=probe)
@@ -427,7 +428,7 @@ def main(session: str, python: str, argv: list[str], env: dict | None = None, lo
         return Outcome("skip", f"{session}: skipped: no CUDA GPU on this machine (--skip-no-gpu / NSA_SKIP_NO_GPU=1)")
     ctx = make_context(python, opts, env, info, log=log)
     try:
-        ok = RUNNERS[session](ctx)
+        ok = run_oneshot(ctx) if session == "oneshot" else run_suite(ctx, session)
     finally:
         ctx.run.finalize()
     kg = json.loads((ctx.run.path / "known_good.json").read_text())
@@ -451,21 +452,12 @@ def nox_entry(session, name: str) -> None:
     else:
         install_cell(session, flash_attn=True)
         python = str(Path(session.virtualenv.bin) / "python")
-    env = dict(os.environ)
-    for key, value in (session.env or {}).items():  # nox marks variables to unset with None
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    env = {k: v for k, v in {**os.environ, **(session.env or {})}.items() if v is not None}  # None: nox's unset
     if not passthrough:
         env["PATH"] = os.pathsep.join([session.virtualenv.bin, env.get("PATH", "")])
         env["VIRTUAL_ENV"] = session.virtualenv.location
     out = main(name, python, list(session.posargs), env=env, log=session.log)
-    if out.status == "skip":
-        session.skip(out.message)
-    if out.status == "fail":
-        session.error(out.message)
-    session.log(out.message)
+    {"skip": session.skip, "fail": session.error}.get(out.status, session.log)(out.message)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -476,12 +468,12 @@ def cli(argv: list[str] | None = None) -> int:
     if not names:
         print(f"usage: python -m ci.sessions.gpu {{{','.join(SESSIONS)}}} ... [--skip-no-gpu] [--full] [-- ARGS]")
         return 2
-    rc = 0
+    os.environ.setdefault("NSA_RUN_ID", A.new_run_id())  # the sessions named together are one run
+    outs = []
     for name in names:
-        out = main(name, sys.executable, list(argv))
-        print(out.message)
-        rc = max(rc, 1 if out.status == "fail" else 0)
-    return rc
+        outs.append(main(name, sys.executable, list(argv)))
+        print(outs[-1].message)
+    return int(any(o.status == "fail" for o in outs))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Which configuration cell a nox session installs, and installing it from its lock with its package index.
 
-The cell is NSA_CELL, else the Quick-start cell of the session's Python (requirements/matrix.toml,
-[defaults.quickstart]). A Python without one, or a cell locked for another Python, stops the session with
-a message naming the cell or the Python to use. The GPU sessions also install the cell's flash-attn pin
-(requirements/locks/<cell>.flash-attn.txt: a wheel, or the source package compiled with nvcc here);
-NSA_FLASH_ATTN=0 leaves it out, and says so.
+The cell is NSA_CELL, else the Quick-start cell of the session's Python ([defaults.quickstart]). A Python
+without one, or a cell locked for another Python, stops the session naming the cell or Python to use. The
+GPU sessions also install the cell's flash-attn pin (locks/<cell>.flash-attn.txt: a wheel, or the source
+package compiled with nvcc here; NSA_FLASH_ATTN=0 leaves it out, and says so). `pip check` ends each install.
 """
 
 from __future__ import annotations
@@ -33,17 +32,14 @@ def choose_cell(matrix: Matrix, python: str, requested: str | None = None) -> Ce
             raise CellChoiceError(f"NSA_CELL: {e.args[0]}") from None
         if cell.python != python:
             other = f"NSA_CELL={quick[python]} (the cell for Python {python}) or " if python in quick else ""
-            raise CellChoiceError(
-                f"cell {cell.id} is locked for Python {cell.python}, this session runs Python {python}: use "
-                f"{other}a venv made with python{cell.python} (`python{cell.python} -m venv .venv`)"
-            )
+            raise CellChoiceError(f"cell {cell.id} is locked for Python {cell.python}, this session runs Python "
+                                  f"{python}: use {other}a venv made with python{cell.python} (`python{cell.python} "
+                                  "-m venv .venv`)")
         return cell
     if python not in quick:
-        raise CellChoiceError(
-            f"Python {python} is not supported: the Quick start supports Python {supported}. Make the venv "
-            f"with one of them (e.g. `python3.12 -m venv .venv`), or set NSA_CELL to a cell locked for "
-            f"Python {python} (`python -m ci.matrix list`)"
-        )
+        raise CellChoiceError(f"Python {python} is not supported: the Quick start supports Python {supported}. Make "
+                              "the venv with one of them (e.g. `python3.12 -m venv .venv`), or set NSA_CELL to a cell "
+                              f"locked for Python {python} (`python -m ci.matrix list`)")
     return matrix.get(quick[python])
 
 
@@ -53,9 +49,8 @@ def pip_args(matrix: Matrix, cell: Cell) -> list[str]:
 
 
 def install_cell(session, flash_attn: bool = False) -> Cell | None:
-    """Install the session's cell exactly (hashes, no resolver), with `flash_attn` its flash-attn pin, then
-    this project without dependencies; exports NSA_CELL. With --no-venv nothing is installed: the
-    interpreter is assumed prepared."""
+    """Install the session's cell exactly (hashes, no resolver), with `flash_attn` its flash-attn pin, then this
+    project without dependencies; exports NSA_CELL. With --no-venv nothing is installed (a prepared interpreter)."""
     import nox
 
     if isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
@@ -75,6 +70,8 @@ def install_cell(session, flash_attn: bool = False) -> Cell | None:
     if flash_attn:
         install_flash_attn(session, matrix, cell)
     session.install("--no-deps", "--no-build-isolation", "-e", ".")
+    # --no-deps checks no requirement: pip check does, and its failure fails the session.
+    session.run("python", "-m", "pip", "check")
     session.env["NSA_CELL"] = cell.id
     return cell
 
@@ -82,11 +79,10 @@ def install_cell(session, flash_attn: bool = False) -> Cell | None:
 def install_flash_attn(session, matrix: Matrix, cell: Cell) -> None:
     """The cell's flash-attn pin, after its lock; a cell without one, or NSA_FLASH_ATTN=0, is logged."""
     if cell.flash_attn.source == "none":
-        session.log(f"flash-attn: none in cell {cell.id} ({matrix.flash_none_reason(cell)})")
-        return
+        return session.log(f"flash-attn: none in cell {cell.id} ({matrix.flash_none_reason(cell)})")
     if os.environ.get("NSA_FLASH_ATTN", "1") == "0":
-        session.warn(f"flash-attn: left out (NSA_FLASH_ATTN=0): the flash_attn backend's tests skip in cell {cell.id}")
-        return
+        return session.warn(f"flash-attn: left out (NSA_FLASH_ATTN=0): the flash_attn backend's tests skip in cell "
+                            f"{cell.id}")
     if not flash_lock_path(matrix, cell.id).exists():
         session.error(f"no flash-attn pin for cell {cell.id}: run `nox -s lock -- {cell.id}`")
     args, env = flash_install_args(matrix, cell)

@@ -3,16 +3,14 @@
     python -m ci.sessions.quickstart [--python 3.12] [--library] [--if-available]  # the README's commands, fresh clone
     python -m ci.sessions.quickstart --mirror CELL -- CMD         # run CMD with the cell's index served from 127.0.0.1
 
-The Quick start installs the Quick-start cell of the interpreter `python3` runs (requirements/matrix.toml).
-Where that cell's torch comes from PyTorch's index (the +cpu build), which this CI machine cannot reach,
-the lock's wheels are fetched once with pip's configured sources and served from a PEP 503 index on
-127.0.0.1 under PyTorch's own path layout (/whl/<variant>/<project>/), and NSA_PYTORCH_INDEX points the
-cell's index there: exactly what a user behind a mirror of download.pytorch.org does. The commands are the
-first bash block under "## Quick start" in README.md, run with `python3` being the requested Python,
-PIP_CONFIG_FILE=/dev/null and no PIP_* variables, so pip sees PyPI and the cell's index and nothing else.
---library then runs the block of "## Install the library for use" (PyTorch's index URL in it replaced by
-the local one, HOME a temp dir) and the Python examples of "## Using it" with that environment's python,
-from a directory outside the checkout.
+The Quick start installs the Quick-start cell of `python3`'s Python. Where that cell's torch comes from
+PyTorch's index (the +cpu build), out of reach in CI, the lock's wheels are fetched with pip's configured
+sources and served on 127.0.0.1 in that index's layout, NSA_PYTORCH_INDEX pointing there, as for a user
+behind a mirror of it. The commands are the
+first bash block under "## Quick start" in README.md, run with `python3` the requested Python, no pip
+configuration (PIP_CONFIG_FILE=/dev/null, no PIP_*), each pip install followed by `pip check`. --library
+then runs the block of "## Install the library for use" (PyTorch's index URL in it replaced by the local
+one, HOME a temp dir) and the Python examples of "## Using it", from a directory outside the checkout.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
-import html
 import os
 import re
 import shutil
@@ -58,6 +54,14 @@ def readme_commands(section: str = "Quick start") -> list[str]:
     return [ln.split("  # ", 1)[0] for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def with_pip_check(commands: list[str]) -> list[str]:
+    """The commands, each one that runs `<venv>/bin/pip install` followed by `<venv>/bin/pip check`: the
+    README installs hash-pinned locks with --no-deps, which check no requirement; pip check does."""
+    checks = [[f"{venv}/bin/pip check" for venv in dict.fromkeys(re.findall(r"(\S+)/bin/pip install", c))]
+              for c in commands]
+    return [line for c, after in zip(commands, checks) for line in (c, *after)]
+
+
 def find_python(version: str) -> str | None:
     """An interpreter for Python `version` ("3.12"): python3.12 on PATH, else one that pyenv installed."""
     candidates = [shutil.which(f"python{version}")]
@@ -74,39 +78,22 @@ def find_python(version: str) -> str | None:
 # --- the local index ---------------------------------------------------------------------------------
 
 
-def write_index(wheels: list[Path], root: Path, variant: str) -> None:
-    """A static PEP 503 'simple' index of the wheels at root/whl/<variant>/<project>/ (PyTorch's layout)."""
-    base = root / "whl" / variant
-    projects: dict[str, list[Path]] = {}
-    for w in wheels:
-        projects.setdefault(canonicalize_name(parse_wheel_filename(w.name)[0]), []).append(w)
-    for project, files in projects.items():
-        (base / project).mkdir(parents=True, exist_ok=True)
-        links = []
-        for w in files:
-            (base / project / w.name).symlink_to(w.resolve())
-            digest = hashlib.sha256(w.read_bytes()).hexdigest()
-            links.append(f'<a href="{html.escape(w.name)}#sha256={digest}">{html.escape(w.name)}</a><br>')
-        page = "\n".join(links)
-        (base / project / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{page}\n</body></html>\n")
-    index = "\n".join(f'<a href="{p}/">{p}</a><br>' for p in sorted(projects))
-    (base / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{index}\n</body></html>\n")
-
-
 @contextlib.contextmanager
 def local_index(matrix: Matrix, cell: Cell) -> Iterator[dict[str, str]]:
-    """Serve the cell's wheels on 127.0.0.1; yields the environment that points the cell's index there
-    (nothing when the cell installs from PyPI alone)."""
+    """Serve the cell's wheels on 127.0.0.1 in PyTorch's layout, /whl/<variant>/<project>/<wheel>, where the
+    server's listing of a project's folder is its PEP 503 page (pip checks the lock's hashes on download);
+    yields the environment that points the cell's index there (nothing when it installs from PyPI alone)."""
     if not matrix.index_url(cell, environ={}):
         yield {}
         return
     with tempfile.TemporaryDirectory(prefix="nsa-index-") as tmp:
         wheels = download_wheels(matrix, cell, Path(tmp) / "files")  # pip's configured sources
-        write_index(wheels, Path(tmp) / "www", cell.variant)
-        handler = functools.partial(_QuietHandler, directory=str(Path(tmp) / "www"))
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+        for w in wheels:
+            project = Path(tmp) / "www" / "whl" / cell.variant / canonicalize_name(parse_wheel_filename(w.name)[0])
+            project.mkdir(parents=True, exist_ok=True)
+            (project / w.name).symlink_to(w.resolve())
+        server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(Path(tmp) / "www")))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}/whl"
         print(f"quickstart: {len(wheels)} wheels of {cell.id} served at {url}/{cell.variant}/", flush=True)
         try:
@@ -116,7 +103,7 @@ def local_index(matrix: Matrix, cell: Cell) -> Iterator[dict[str, str]]:
             server.server_close()
 
 
-class _QuietHandler(SimpleHTTPRequestHandler):
+class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the base class's signature
         pass
 
@@ -152,21 +139,20 @@ def quickstart(python: str, library: bool = False, if_available: bool = False) -
     with local_index(matrix, cell) as index_env, tempfile.TemporaryDirectory(prefix="nsa-quickstart-") as tmp:
         clone, bin_dir, home = Path(tmp) / "nsa", Path(tmp) / "bin", Path(tmp) / "home"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        bin_dir.mkdir()
-        home.mkdir()
+        bin_dir.mkdir(), home.mkdir()
         for name in ("python3", f"python{python}"):  # the README's `python3` is the Python under test
             (bin_dir / name).symlink_to(exe)
         env = {**clean_env(index_env), "HOME": str(home)}
         env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
         print(f"quickstart: Python {python} ({exe}), cell {cell.id}, fresh clone {clone}, PIP_CONFIG_FILE=/dev/null")
-        rc = run_all(readme_commands(), clone, env)
+        rc = run_all(with_pip_check(readme_commands()), clone, env)
         if rc == 0 and library:
             mirror = index_env.get(PYTORCH_INDEX_ENV)
             install = [c.replace(matrix.defaults["pytorch_index"], mirror) if mirror else c
                        for c in readme_commands("Install the library for use")]
             examples = home / "examples.py"
             examples.write_text("\n".join(readme_blocks("Using it", "python")))
-            rc = run_all([*install, f"cd {home} && ~/nsa-env/bin/python {examples.name}"], clone, env)
+            rc = run_all([*with_pip_check(install), f"cd {home} && ~/nsa-env/bin/python {examples.name}"], clone, env)
     what = "Quick start" + (", library install and examples" if library else "")
     print(f"quickstart: Python {python}: the README's {what} {'passed' if rc == 0 else 'FAILED'} "
           f"in {time.monotonic() - t0:.0f} s")

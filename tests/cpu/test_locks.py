@@ -1,8 +1,12 @@
-"""Locks: the committed ones are fresh; staleness, tampering and leaked local paths are detected
-(on a copy of requirements/ in a tmp dir); lock generation is exercised offline with a fake uv."""
+"""Locks: the committed ones are fresh; staleness, tampering (every hand edit Renovate or a person could
+make) and leaked local paths are detected (on a copy of requirements/ in a tmp dir); lock generation and
+re-resolution are exercised offline with a fake uv; Renovate's config never edits a lock."""
 
 from __future__ import annotations
 
+import fnmatch
+import json
+import re
 import shutil
 import stat
 import sys
@@ -60,7 +64,135 @@ def test_tampered_body_and_leaked_paths_are_reported(req: Path):
     lock.write_text(text.replace("triton==3.7.1", "triton==3.7.0") + leaked)
     problems = " | ".join(locks.check(mx.load(req / "matrix.toml"), [CPU]))
     assert "triton is 3.7.0, matrix says 3.7.1" in problems
-    assert "file: URL" in problems and "index/find-links line" in problems
+    assert "file: URL" in problems and "a pip option line (--extra-index-url)" in problems
+
+
+GPU = "cu130-torch2.13-py312"
+HASH = "--hash=sha256:" + "a" * 64
+
+
+def _tamper(req: Path, edit) -> tuple[Path, str, list[str]]:
+    """Apply edit(text) -> text to a copy of the GPU cell's lock; what --check says about it."""
+    lock = req / "locks" / f"{GPU}.txt"
+    original = lock.read_text()
+    lock.write_text(edit(original))
+    assert lock.read_text() != original
+    return lock, original, locks.check(mx.load(req / "matrix.toml"), [GPU])
+
+
+def _edited(problems: list[str]) -> bool:
+    return any(p.startswith(f"{GPU}: {GPU}.txt is not what `nox -s lock` wrote") and f"nox -s lock -- {GPU}" in p
+               for p in problems)
+
+
+def test_check_fails_a_single_line_version_bump_as_renovate_makes_it(req: Path):
+    """torch 2.13.0 requires nvidia-cublas==13.1.1.3; the bumped pin is consistent-looking but not a resolution."""
+    def bump(text):
+        return re.sub(r"nvidia-cublas==13\.1\.1\.3 \\\n(    --hash=sha256:\w+ \\\n)*    --hash=sha256:\w+",
+                      f"nvidia-cublas==13.4.1.3 \\\n    {HASH}", text)
+
+    lock, _, problems = _tamper(req, bump)
+    assert "nvidia-cublas==13.4.1.3" in lock.read_text()
+    assert _edited(problems) and len(problems) == 1  # structurally fine: only the seal catches it offline
+
+
+def test_check_fails_a_new_package_in_a_lock_body(req: Path):
+    _, _, problems = _tamper(req, lambda t: t + f"six==1.17.0 \\\n    {HASH}\n    # via nothing\n")
+    assert _edited(problems) and len(problems) == 1
+
+
+@pytest.mark.parametrize("line, what", [
+    ("-r other.txt", "a pip option line (-r)"),
+    ("--trusted-host example.invalid", "a pip option line (--trusted-host)"),
+    ("-e git+https://example.invalid/x.git#egg=x", "a pip option line (-e)"),
+    ("--index-url https://example.invalid/simple", "a pip option line (--index-url)"),
+    ("x @ git+https://example.invalid/x.git", "a URL or VCS requirement"),
+    ("x @ https://example.invalid/x-1.0-py3-none-any.whl " + HASH, "a URL or VCS requirement"),
+    ("x==1.0", "a requirement without --hash=sha256"),
+    ("x>=1.0 " + HASH, "not `name==version [; marker]`"),
+], ids=["include", "trusted-host", "editable-git", "index-url", "vcs", "url", "unhashed", "unpinned"])
+def test_check_fails_any_line_but_a_hash_pinned_requirement(req: Path, line: str, what: str):
+    lock, _, problems = _tamper(req, lambda t: t.replace("numpy==", f"{line}\nnumpy==", 1))
+    n = lock.read_text().splitlines().index(line) + 1
+    assert f"{GPU}: {GPU}.txt: line {n}: {what}" in problems[0] and _edited(problems), problems
+
+
+def test_lint_accepts_what_uv_writes():
+    text = textwrap.dedent("""\
+        # header
+        filelock==4.1.0 ; python_full_version < '3.11' \\
+            --hash=sha256:{a} \\
+            --hash=sha256:{a}
+            # via
+            #   nox
+        torch==2.13.0+cpu \\
+            --hash=sha256:{a}
+            # via -r requirements/matrix.toml (cell cpu-torch2.13-py311)
+        """).format(a="a" * 64)
+    assert locks.lint_lock(text) == []
+    for lock in [*(mx.DEFAULT_PATH.parent / "locks").glob("*.txt"), mx.DEFAULT_PATH.parent / "bootstrap.txt"]:
+        if not lock.name.endswith(".flash-attn.txt"):  # a URL pin, compared byte for byte instead
+            assert locks.lint_lock(lock.read_text()) == [], lock.name
+
+
+FAKE_RESOLVER = """#!{python}
+import os, shutil, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("uv 0.0.1 (fake)")
+    sys.exit(0)
+out = args[args.index("--output-file") + 1]
+with open(os.environ["FAKE_UV_SEEN"], "a") as seen:  # the pins uv was asked to prefer
+    seen.write(open(out).read() + "=====\\n")
+shutil.copyfile(os.environ["FAKE_UV_RESULT"], out)
+"""
+
+
+@pytest.fixture
+def resolver(tmp_path: Path, monkeypatch) -> tuple[str, Path, Path]:
+    """A fake uv whose resolution is the file FAKE_UV_RESULT; it appends the preferences it got to FAKE_UV_SEEN."""
+    uv = tmp_path / "fake-uv"
+    uv.write_text(FAKE_RESOLVER.format(python=sys.executable))
+    uv.chmod(uv.stat().st_mode | stat.S_IEXEC)
+    result, seen = tmp_path / "result.txt", tmp_path / "seen.txt"
+    monkeypatch.setenv("FAKE_UV_RESULT", str(result))
+    monkeypatch.setenv("FAKE_UV_SEEN", str(seen))
+    return str(uv), result, seen
+
+
+def test_resolve_names_what_resolving_the_inputs_changes(req: Path, resolver):
+    uv, result, seen = resolver
+    lock = req / "locks" / f"{GPU}.txt"
+    result.write_text(lock.read_text())  # uv's resolution of the inputs: the committed lock
+    m = mx.load(req / "matrix.toml")
+    assert locks.resolve_check(m, [GPU], uv=uv) == []  # a fixed point
+    text = lock.read_text().replace("nvidia-cublas==13.1.1.3", "nvidia-cublas==13.4.1.3")
+    text = text.replace("rich==", "-r other.txt\n--trusted-host example.invalid\nrich==")
+    lock.write_text(text + f"six==1.17.0 \\\n    {HASH}\n")
+    problems = locks.resolve_check(m, [GPU], uv=uv)
+    assert problems == [f"{GPU}: {GPU}.txt: nvidia-cublas is 13.4.1.3, resolving the inputs gives 13.1.1.3",
+                        f"{GPU}: {GPU}.txt: six==1.17.0 is not in the resolution of the inputs"]
+    preferred = seen.read_text().split("=====\n")[1]
+    assert "nvidia-cublas==13.4.1.3\n" in preferred and "torch==2.13.0\n" in preferred
+    assert "other.txt" not in preferred and "trusted-host" not in preferred  # only pins reach uv
+    result.write_text(text.replace("rich==", "rich-extra==1.0 \\\n    " + HASH + "\nrich=="))
+    assert f"{GPU}: {GPU}.txt: rich-extra==1.0 is missing (the resolution of the inputs has it)" in \
+        locks.resolve_check(m, [GPU], uv=uv)
+
+
+def test_relock_starts_from_the_pins_and_upgrade_from_nothing(req: Path, resolver):
+    uv, result, seen = resolver
+    m = mx.load(req / "matrix.toml")
+    lock = req / "locks" / f"{GPU}.txt"
+    result.write_text(lock.read_text().split("\n#\n", 1)[1])  # the body, as uv writes it (--no-header)
+    before = lock.read_text()
+    locks.compile_cell(m, m.get(GPU), uv=uv)
+    unsealed = [re.sub(r"# lock-sha256: \w+\n", "", t) for t in (lock.read_text(), before)]
+    assert unsealed[0].replace("uv 0.0.1", "uv 0.13.9") == unsealed[1]  # the same lock, from another uv
+    locks.compile_cell(m, m.get(GPU), uv=uv, upgrade=True)
+    first, second, _ = seen.read_text().split("=====\n")
+    assert "torch==2.13.0\n" in first and second == ""
+    assert locks.check(m, [GPU]) == []
 
 
 def test_missing_and_orphan_locks(req: Path):
@@ -200,3 +332,39 @@ def test_flash_attn_pin_edits_missing_and_orphans_are_reported(req: Path):
     assert any("exists but the cell has no flash-attn" in p for p in locks.check(m, [NO_FLASH_CELL]))
     (req / "locks" / "cu999-torch9.9-py399.flash-attn.txt").write_text("")
     assert any("cu999-torch9.9-py399.flash-attn.txt: no cell 'cu999-torch9.9-py399'" in p for p in locks.check(m))
+
+
+# Renovate's own defaults for the file patterns of the managers we enable (its docs, per manager); the
+# config's managerFilePatterns are added to these, never replace them.
+RENOVATE_DEFAULTS = {
+    "github-actions": [r"/(^|/)(workflow-templates|\.(?:github|gitea|forgejo)/(?:workflows|actions))/.+\.ya?ml$/",
+                       r"/(^|/)action\.ya?ml$/"],
+    "pip_requirements": [r"/(^|/)[\w-]*requirements([-._]\w+)?\.(txt|pip)$/"],
+    "custom.regex": [],
+}
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """A Renovate file pattern: /regex/ or a glob."""
+    if len(pattern) > 1 and pattern.startswith("/") and pattern.endswith("/"):
+        return re.search(pattern[1:-1], path) is not None
+    return fnmatch.fnmatch(path, pattern)
+
+
+def test_renovate_never_edits_a_lock_and_relocks_after_updating_an_input():
+    root = mx.DEFAULT_PATH.parent.parent
+    config = json.loads((root / ".github" / "renovate.json").read_text())
+    enabled = config["enabledManagers"]
+    assert set(enabled) <= set(RENOVATE_DEFAULTS), "a new manager: add its default file patterns here"
+    patterns = {m: RENOVATE_DEFAULTS[m] + config.get(m, {}).get("managerFilePatterns", []) for m in enabled}
+    patterns["custom.regex"] += [p for c in config.get("customManagers", []) for p in c["managerFilePatterns"]]
+    lock_files = [f.relative_to(root).as_posix() for f in (root / "requirements" / "locks").glob("*.txt")]
+    lock_files.append("requirements/bootstrap.txt")  # generated too (`nox -s lock -- bootstrap`)
+    assert len(lock_files) > 40
+    for f in lock_files:
+        assert not [(m, p) for m, ps in patterns.items() for p in ps if _matches(p, f)], f
+        assert any(_matches(p, f) for p in config["ignorePaths"]), f
+    assert all(any(_matches(p, f"requirements/{n}.in") for p in patterns["pip_requirements"])
+               for n in ("runtime", "test", "bench", "bootstrap", "tools", "lint"))
+    task = config["postUpgradeTasks"]
+    assert any("nox -s lock" in c for c in task["commands"]) and "requirements/locks/*.txt" in task["fileFilters"]

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from ci import matrix as mx
-from ci.matrix.__main__ import main as mx_main
 from ci.matrix import explain as X
+from ci.matrix.__main__ import main as mx_main
 
 pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 

@@ -16,7 +16,7 @@ import pytest
 
 from ci.matrix import load
 from ci.sessions import quickstart as Q
-from ci.sessions.install import CellChoiceError, choose_cell, install_flash_attn, pip_args
+from ci.sessions.install import CellChoiceError, choose_cell, install_cell, install_flash_attn, pip_args
 
 pytestmark = pytest.mark.usefixtures("pytorchs_own_index")
 
@@ -70,6 +70,17 @@ def test_readme_blocks_are_the_quick_start_and_the_library_install():
     assert any("--extra-index-url https://download.pytorch.org/whl/cpu" in c for c in install)
     assert any("nsa.env --check-lock" in c for c in install)
     assert "import torch" in Q.readme_blocks("Using it", "python")[0]
+
+
+def test_every_readme_pip_install_is_followed_by_pip_check():
+    quick = Q.with_pip_check(Q.readme_commands())
+    assert quick[0].startswith("python3 -m venv .venv && .venv/bin/pip install") and quick[1] == ".venv/bin/pip check"
+    assert quick[2] == ".venv/bin/nox -s tests"  # nox sessions run their own pip check (install_cell)
+    library = Q.with_pip_check(Q.readme_commands("Install the library for use"))
+    installs = [i for i, c in enumerate(library) if "/bin/pip install" in c]
+    assert len(installs) == 2 and all(library[i + 1] == "~/nsa-env/bin/pip check" for i in installs)
+    twice = "a/bin/pip install x && a/bin/pip install y"
+    assert Q.with_pip_check([twice, "b/bin/python -m x"]) == [twice, "a/bin/pip check", "b/bin/python -m x"]
 
 
 def _wheel(directory: Path, name: str, version: str) -> Path:
@@ -149,3 +160,33 @@ def test_gpu_sessions_install_the_cells_flash_attn_pin(matrix, monkeypatch):
     s = RecordingSession()
     install_flash_attn(s, matrix, matrix.get("cu130-torch2.12-py312"))
     assert not s.installs and "left out (NSA_FLASH_ATTN=0)" in s.logs[0]
+
+
+class FakeNoxSession(RecordingSession):
+    """A nox session in a venv of Python 3.11 that records installs and commands; `pip check` fails when asked."""
+
+    def __init__(self, pip_check_fails: bool = False):
+        super().__init__()
+        self.virtualenv, self.env, self.runs, self.pip_check_fails = object(), {}, [], pip_check_fails
+
+    def run(self, *args, silent=False):
+        self.runs.append(args)
+        if args[1:] == ("-m", "pip", "check") and self.pip_check_fails:
+            raise RuntimeError("Command python -m pip check failed with exit code 1")  # what nox raises, in kind
+        return "3.11\n" if "-c" in args else None
+
+    def install(self, *args, env=None):
+        super().install(*args, env=env)
+        self.runs.append(("pip", "install", *args))
+
+
+def test_install_cell_runs_pip_check_after_every_install(monkeypatch):
+    monkeypatch.delenv("NSA_CELL", raising=False)
+    s = FakeNoxSession()
+    assert install_cell(s).id == "cpu-torch2.13-py311" and s.env["NSA_CELL"] == "cpu-torch2.13-py311"
+    installs = [i for i, r in enumerate(s.runs) if r[:2] == ("pip", "install")]
+    check = s.runs.index(("python", "-m", "pip", "check"))
+    assert installs and check > max(installs) and check == len(s.runs) - 1
+    assert s.runs[installs[0]][-1].endswith("requirements/locks/cpu-torch2.13-py311.txt")
+    with pytest.raises(RuntimeError, match="pip check failed"):
+        install_cell(FakeNoxSession(pip_check_fails=True))

@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,11 +49,29 @@ def need_yaml():
 # ------------------------------------------------------------------------------ matrices and build args
 
 
-def test_images_matrix_is_every_cell_in_order():
+def run_step(workflow: str, job: str, step_id: str, env: dict[str, str]) -> str:
+    """A workflow step's script, run here with bash (the runner's venv is this interpreter's)."""
+    yaml = need_yaml()
+    steps = yaml.safe_load((WORKFLOWS / workflow).read_text(encoding="utf-8"))["jobs"][job]["steps"]
+    script = next(s["run"] for s in steps if s.get("id") == step_id).replace('"$RUNNER_TEMP/ci-venv/bin/python"',
+                                                                             sys.executable)
+    proc = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.skipif(not shutil.which("jq"), reason="jq not installed here")
+def test_images_matrix_is_every_cell_in_order_or_the_ones_asked(tmp_path):
     m = load()
-    out = github.images_matrix(m.cells)
-    assert [e["cell"] for e in out["include"]] == [c.id for c in m.cells]
-    assert {e["cell"]: e["cpu_only"] for e in out["include"]} == {c.id: c.cpu_only for c in m.cells}
+    out = tmp_path / "out"
+    for cells, want in (("", m.cells), ("cu130-torch2.11-py312,cpu-torch2.13-py311",
+                                        [m.get("cu130-torch2.11-py312"), m.get("cpu-torch2.13-py311")])):
+        out.write_text("")
+        run_step("images.yml", "plan", "matrix", {"CELLS": cells, "GITHUB_OUTPUT": str(out)})
+        name, _, value = out.read_text().strip().partition("=")
+        assert name == "matrix" and json.loads(value) == {"include": [{"cell": c.id, "cpu_only": c.cpu_only}
+                                                                       for c in want]}
 
 
 def test_gpu_matrix_is_every_gpu_cell_on_each_gpu_it_was_built_for():
@@ -72,61 +91,50 @@ def test_gpu_matrix_is_every_gpu_cell_on_each_gpu_it_was_built_for():
         github.gpu_matrix(m, m.cells, ["v100"])
 
 
-def test_gpu_matrix_cli_matches_function(tmp_path):
-    gh_out = tmp_path / "gh_output"
-    env = {**os.environ, "GITHUB_OUTPUT": str(gh_out)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ci.github", "gpu", "--github-output", "matrix"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    name, _, value = gh_out.read_text().strip().partition("=")
-    assert name == "matrix"
+def test_gpu_matrix_cli_matches_function():
+    proc = subprocess.run([sys.executable, "-m", "ci.github", "gpu"], cwd=ROOT, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 1, proc.stderr  # one line for $GITHUB_OUTPUT
     m = load()
-    assert json.loads(value) == github.gpu_matrix(m, m.cells)
+    assert json.loads(proc.stdout) == github.gpu_matrix(m, m.cells)
+    bad = subprocess.run([sys.executable, "-m", "ci.github", "gpu", "--gpus", "v100"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "unknown GPU class(es) ['v100']" in bad.stderr
 
 
 def test_images_lock_pins_every_entry_by_digest():
     m = load()
     cells = [m.get("cu121-torch2.4-py311"), m.get("cu130-torch2.11-py312")]
     digest = "sha256:" + "a" * 64
-    lock = {"cu130-torch2.11-py312": {"image": "ghcr.io/o/nsa", "digest": digest}}
+    lock = {"cu130-torch2.11-py312": {"image": "ghcr.io/o/r", "digest": digest}}
     with pytest.raises(Exception, match=r"no valid digest for cell\(s\) \['cu121-torch2.4-py311'\]"):
         github.attach_images(github.gpu_matrix(m, cells), lock)
-    lock["cu121-torch2.4-py311"] = {"image": "ghcr.io/o/nsa", "digest": "latest"}
+    lock["cu121-torch2.4-py311"] = {"image": "ghcr.io/o/r", "digest": "latest"}
     with pytest.raises(Exception, match="cu121-torch2.4-py311"):
         github.attach_images(github.gpu_matrix(m, cells), lock)
     lock["cu121-torch2.4-py311"]["digest"] = digest
     out = github.gpu_matrix(m, cells)
     github.attach_images(out, lock)
-    assert all(e["image"] == f"ghcr.io/o/nsa@{digest}" for e in out["include"])
+    assert all((e["image"], e["digest"]) == ("ghcr.io/o/r", digest) for e in out["include"])
 
 
-def workflow_build_args(cell: str, flash: bool = True) -> dict[str, str]:
-    """What images.yml passes to `docker build` for a cell: the output of its build-args step, run here."""
-    args = ["--without-flash-attn"] if not flash else []
-    proc = subprocess.run([sys.executable, "-m", "ci.github", "build-args", "--cell", cell, *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
-    return dict(line.split("=", 1) for line in proc.stdout.splitlines())
-
-
-def test_workflow_build_args_equal_the_plans_for_every_cell_and_key():
-    m = load()
-    for cell in m.cells:
-        for flash in (True, False):
-            plan = images.make_plan(m, cell, flash_attn=flash).build_args
-            assert workflow_build_args(cell.id, flash) == plan, f"{cell.id} (flash-attn={flash})"
-
-
-def test_images_workflow_builds_with_the_plans_build_args_only():
+def test_images_workflow_bakes_the_plans_build_args_for_every_cell():
+    """images.yml builds from `python -m ci.images bake CELL`: its args are exactly the plan's, every cell."""
     yaml = need_yaml()
-    doc = yaml.safe_load((WORKFLOWS / "images.yml").read_text(encoding="utf-8"))
-    steps = doc["jobs"]["build"]["steps"]
-    meta = next(s for s in steps if s.get("id") == "meta")
-    assert "-m ci.github build-args --cell \"$CELL\" --github-output build_args" in meta["run"]
-    build = next(s for s in steps if str(s.get("uses", "")).startswith("docker/build-push-action@"))
-    assert build["with"]["build-args"] == "${{ steps.meta.outputs.build_args }}"
-    assert build["with"]["file"] == "docker/Dockerfile" and "labels" not in build["with"]
+    steps = yaml.safe_load((WORKFLOWS / "images.yml").read_text(encoding="utf-8"))["jobs"]["build"]["steps"]
+    runs = "\n".join(s.get("run", "") for s in steps)
+    assert '-m ci.images bake "$CELL" > "$RUNNER_TEMP/bake.json"' in runs
+    assert 'docker buildx bake -f "$RUNNER_TEMP/bake.json"' in runs
+    assert not any(str(s.get("uses", "")).startswith("docker/build-push-action@") for s in steps)
+    m = load()
+    proc = subprocess.run([sys.executable, "-m", "ci.images", "bake"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    bake = json.loads(proc.stdout)
+    assert bake["group"]["default"]["targets"] == [images.bake_target(c.id) for c in m.cells]
+    for cell in m.cells:
+        target = bake["target"][images.bake_target(cell.id)]
+        assert target["args"] == images.make_plan(m, cell).build_args, cell.id
+        assert (target["dockerfile"], target["target"], "tags" in target) == ("docker/Dockerfile", "runtime", False)
 
 
 def test_every_lock_install_passes_its_cells_index():
@@ -261,21 +269,36 @@ def test_gate_fails_unless_every_job_succeeded(results, ok):
 def test_gpu_workflow_contract():
     need_yaml()
     doc = lint._load_yaml(WORKFLOWS / "gpu.yml")
-    assert "pull_request_target" not in doc["on"]
+    assert set(doc["on"]) == {"push", "schedule", "workflow_dispatch"}, "no pull-request-like trigger"
+    assert {"pr", "sha"} <= set(doc["on"]["workflow_dispatch"]["inputs"])
     assert doc["permissions"] == {"contents": "read"}
-    # A push cancels the older head's run; labelling never cancels (once per head, below).
-    assert doc["concurrency"]["cancel-in-progress"] == "${{ github.event.action != 'labeled' }}"
-    plan, gpu = doc["jobs"]["plan"], doc["jobs"]["gpu"]
-    cond = " ".join(plan["if"].split())
-    assert lint.FORK_GUARD in cond
-    assert "contains(github.event.pull_request.labels.*.name, 'gpu-ci')" in cond
-    assert "(github.event.action != 'labeled' || github.event.label.name == 'gpu-ci')" in cond
-    once = next(s for s in plan["steps"] if s.get("id") == "once")
-    assert "head_sha=$HEAD_SHA" in once["run"] and plan["permissions"]["actions"] == "read"
-    assert gpu["if"] == "${{ needs.plan.outputs.run == 'true' }}" and gpu["name"].startswith("gpu ")
-    assert 'startswith("gpu ")' in once["run"], "the once-per-head check must recognise the GPU jobs by name"
-    assert gpu["environment"] == "${{ github.event_name == 'pull_request' && 'gpu-pull-request' || 'gpu' }}"
-    assert gpu["runs-on"] == "${{ matrix.runs_on }}"
+    # main's runs never cancel each other (a group per run id); a newer dispatch for a PR supersedes the older.
+    group = " ".join(doc["concurrency"]["group"].split())
+    assert "format('run-{0}', github.run_id)" in group and "format('pr-{0}', inputs.pr)" in group
+    cancel = "${{ github.event_name == 'workflow_dispatch' && inputs.pr != '' }}"
+    assert doc["concurrency"]["cancel-in-progress"] == cancel
+    plan, gpu, known = doc["jobs"]["plan"], doc["jobs"]["gpu"], doc["jobs"]["known-good"]
+    commit = next(s for s in plan["steps"] if s.get("id") == "commit")["run"]
+    for needle in ('gh api "repos/$REPO/pulls/$PR"', '"$head_repo" != "$REPO"', '"$head_sha" != "$WANT"'):
+        assert needle in commit, f"the PR-head check lost {needle!r}"
+    verify = "\n".join(s.get("run", "") for s in plan["steps"])
+    flat = " ".join(verify.replace("\\\n", " ").split())
+    assert ('gh attestation verify "oci://$image@$digest" --repo "$REPO" --signer-workflow '
+            '"$REPO/.github/workflows/images.yml" --source-ref refs/heads/main') in flat
+    assert "python -m ci.images repo" in verify and plan["permissions"]["attestations"] == "read"
+    assert all(lint.main_guarded(job) for job in (plan, gpu)) and gpu["environment"] == "gpu"
+    assert gpu["runs-on"] == "${{ matrix.runs_on }}" and gpu["name"].startswith("gpu ") and "container" not in gpu
+    assert (gpu["env"]["NSA_IMAGE"], gpu["env"]["NSA_IMAGE_DIGEST"]) == ("${{ matrix.image }}", "${{ matrix.digest }}")
+    checkout = next(s for s in gpu["steps"] if str(s.get("uses", "")).startswith("actions/checkout@"))
+    assert checkout["with"]["ref"] == "${{ needs.plan.outputs.sha }}"
+    docker = next(s["run"] for s in gpu["steps"] if "docker run" in s.get("run", ""))
+    assert '--gpus "device=$gpu"' in docker and "--shm-size 16g" in docker and "--ipc" not in docker
+    assert '"$NSA_IMAGE@$NSA_IMAGE_DIGEST" "$@"' in docker and "NSA_RUNNER_GPU" in docker
+    assert " ".join(known["if"].split()) == (
+        "success() && needs.gpu.result == 'success' && github.ref == 'refs/heads/main' && "
+        "(github.event_name == 'push' || github.event_name == 'schedule')")
+    assert set(known["needs"]) == {"plan", "gpu"} and known["permissions"] == {"contents": "read"}
+    assert doc["jobs"]["status"]["permissions"] == {"statuses": "write"}
     m = load()
     entries = github.gpu_matrix(m, m.cells)["include"]
     for e in entries:
@@ -284,13 +307,43 @@ def test_gpu_workflow_contract():
     used = {label for e in entries for label in e["runs_on"]}
     assert used - {"self-hosted", "linux", "x64"} <= declared, "declare every runner label in actionlint.yaml"
     assert github.runs_on("h100", "cuda13", scale_sets=True) == ["nsa-h100-cuda13"]
-    assert gpu["container"]["options"].startswith("--gpus all --shm-size 16g --ipc host")
-    assert gpu["timeout-minutes"] > 0
     upload = [s for s in gpu["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
     name = upload[0]["with"]["name"]
     assert "${{ matrix.cell }}" in name and "${{ matrix.gpu }}" in name
     runs = [s.get("run", "") for s in gpu["steps"]]
     assert any("GITHUB_STEP_SUMMARY" in r and "summary.md" in r for r in runs)
+
+
+def test_images_workflow_pushes_by_digest_and_moves_tags_only_from_main_after_the_checks():
+    need_yaml()
+    doc = lint._load_yaml(WORKFLOWS / "images.yml")
+    steps = doc["jobs"]["build"]["steps"]
+    names = [s.get("name") or str(s.get("uses", "")).split("@")[0] for s in steps]
+    order = [names.index(n) for n in ("Build and push by digest (bake; SBOM and max-mode provenance from BuildKit)",
+                                      next(n for n in names if n.startswith("Check the pushed digest")),
+                                      "actions/attest-build-provenance", "Move the tags (main; release tags)")]
+    assert order == sorted(order), "build, check, attest, then move tags"
+    build, check, tag = (steps[order[i]]["run"] for i in (0, 1, 3))
+    assert "push-by-digest=true" in build and "-t " not in build and "--provenance=mode=max" in build
+    for needle in ('cmp - "requirements/locks/$CELL.txt"', "nsa.env --check-lock", "pip check", "import torch",
+                   "run python -m nsa.env\n"):
+        assert needle in check, needle
+    assert steps[order[3]]["if"] == "${{ github.ref == 'refs/heads/main' || startsWith(github.ref, 'refs/tags/v') }}"
+    assert 'tags=(-t "$REPO:$CELL-$REF_NAME")' in tag and 'docker buildx imagetools create "${tags[@]}"' in tag
+    attest = steps[order[2]]["with"]
+    assert attest["subject-digest"] == "${{ steps.build.outputs.digest }}" and attest["push-to-registry"] is True
+
+
+def test_every_pip_install_is_followed_by_pip_check(tmp_path):
+    """After every pip install of a workflow step or Dockerfile RUN, a `pip check` (before the image's checks)."""
+    def unchecked(text: str) -> list[str]:
+        blocks = re.split(r"\n(?=\s*(?:- name:|- run:|run:|RUN |- uses:))", text.replace("\\\n", " "))
+        return [b.strip()[:80] for b in blocks if re.search(r"pip install(?! --upgrade)", b)
+                and not re.search(r"pip install[\s\S]*pip check", b)]
+    files = [*WORKFLOWS.glob("*.yml"), ROOT / "docker" / "Dockerfile"]
+    assert {f.name: unchecked(f.read_text()) for f in files} == {f.name: [] for f in files}
+    seeded = "      - run: |\n          python -m pip install -r requirements/bootstrap.txt\n          nox -s tests\n"
+    assert unchecked(seeded), "the check missed a seeded install without pip check"
 
 
 def test_policy_passes_on_our_workflows():
@@ -337,7 +390,8 @@ def test_policy_fails_on_seeded_bad_workflow(tmp_path):
         "no top-level `permissions:`",
         "no `concurrency:`",
         "no timeout-minutes",
-        "without a fork guard",
+        "in a workflow triggered by ['pull_request', 'pull_request_target']",
+        "without `if: github.ref == 'refs/heads/main'`",
         "not pinned by a full 40-hex commit SHA",
         "persist-credentials: false",
         "checks out the PR head ref",
@@ -345,14 +399,68 @@ def test_policy_fails_on_seeded_bad_workflow(tmp_path):
         assert expected in problems, f"policy missed {expected!r}:\n{problems}"
 
 
-def test_policy_needs_the_fork_guard_on_gpu_jobs(tmp_path):
+FORK_GPU_WORKFLOW = f"""\
+name: fork-added
+on: pull_request
+permissions:
+  contents: read
+concurrency:
+  group: x
+jobs:
+  pwn:
+    if: github.ref == 'refs/heads/main'
+    runs-on: [self-hosted, gpu]
+    timeout-minutes: 5
+    steps:
+      - uses: actions/checkout@{SHA}
+        with:
+          persist-credentials: false
+      - run: nvidia-smi
+"""
+
+
+def test_policy_rejects_a_fork_added_gpu_workflow(tmp_path):
+    """A workflow a fork adds, triggered by pull_request, with a job on our GPU labels: even with the main guard."""
+    need_yaml()
+    problems = lint.check_policy_file(seed(tmp_path, FORK_GPU_WORKFLOW, "fork.yml"))
+    assert problems == ["fork.yml: job 'pwn': runs on self-hosted/GPU runners ['self-hosted', 'gpu'] in a workflow "
+                        "triggered by ['pull_request']: pull request code would reach them; accepted: GPU jobs only "
+                        "in workflows without pull-request-like triggers (gpu.yml, dispatched for a PR head)"]
+    for runs_on in ("nsa-h100-cuda13", "${{ matrix.runs_on }}", "{group: gpu}"):
+        text = FORK_GPU_WORKFLOW.replace("[self-hosted, gpu]", runs_on)
+        assert lint.check_policy_file(seed(tmp_path, text, "fork.yml")), f"runs-on {runs_on} passed"
+    hosted = FORK_GPU_WORKFLOW.replace("[self-hosted, gpu]", "ubuntu-latest")
+    assert lint.check_policy_file(seed(tmp_path, hosted, "fork.yml")) == []
+
+
+@pytest.mark.parametrize("event", ["pull_request", "pull_request_target", "issue_comment", "merge_group"])
+def test_policy_rejects_gpu_yml_with_a_pull_request_like_trigger(tmp_path, event):
     need_yaml()
     text = (WORKFLOWS / "gpu.yml").read_text(encoding="utf-8")
-    guard = "github.event.pull_request.head.repo.full_name == github.repository &&"
-    assert guard in text
-    bad = seed(tmp_path, text.replace(guard, ""), "gpu.yml")
-    problems = lint.check_policy_file(bad)
-    assert any("job 'gpu'" in p and "fork guard" in p for p in problems), problems
+    assert "on:\n  push:\n" in text
+    problems = lint.check_policy_file(seed(tmp_path, text.replace("on:\n  push:\n", f"on:\n  {event}:\n  push:\n"),
+                                           "gpu.yml"))
+    assert any(p.startswith("gpu.yml: job 'gpu': runs on self-hosted/GPU runners") and f"'{event}'" in p
+               for p in problems), problems
+
+
+@pytest.mark.parametrize(("cond", "ok"), [
+    ("github.ref == 'refs/heads/main'", True),
+    ("${{ github.ref == 'refs/heads/main' && needs.plan.result == 'success' }}", True),
+    ("always() && github.ref == 'refs/heads/main'", False),  # the guard must come first
+    ("github.ref == 'refs/heads/main' || github.event_name == 'workflow_dispatch'", False),
+    ("github.ref == 'refs/heads/main' && x || y", False),
+    ("github.ref == 'refs/heads/mainline'", False),
+    ("", False),
+])
+def test_gpu_jobs_need_the_main_guard_first(tmp_path, cond, ok):
+    need_yaml()
+    doc = lint._load_yaml(WORKFLOWS / "gpu.yml")
+    doc["jobs"]["gpu"]["if"] = cond
+    assert lint.main_guarded(doc["jobs"]["gpu"]) is ok
+    yaml = need_yaml()
+    problems = lint.check_policy_file(seed(tmp_path, yaml.safe_dump(doc, sort_keys=False), "gpu.yml"))
+    assert any("job 'gpu'" in p and "without `if: github.ref == 'refs/heads/main'`" in p for p in problems) is not ok
 
 
 def test_lint_passes_on_our_workflows():
@@ -429,6 +537,46 @@ def test_rehearsal_copy_keeps_every_run_step_and_drops_remote_setup_actions():
         rehearse.offline_copy(doc, ["nope"])
 
 
+def test_act_plans_no_gpu_job_for_a_fork_or_same_repo_pull_request(tmp_path):
+    """`act pull_request --list` with a fork's and a same-repository PR's event, over our workflows: no job on
+    self-hosted/GPU runners. Seeded: a fork-added GPU workflow and gpu.yml with a pull_request trigger."""
+    need_tool("act")
+    need_yaml()
+    from ci.sessions import rehearse
+
+    for kind, pr in rehearse.PULL_REQUESTS.items():
+        assert rehearse.pr_gpu_jobs(WORKFLOWS, pr) == [], kind
+    wf = seed(tmp_path, FORK_GPU_WORKFLOW, "fork.yml").parent
+    gpu = (WORKFLOWS / "gpu.yml").read_text(encoding="utf-8")
+    (wf / "gpu.yml").write_text(gpu.replace("on:\n  push:\n", "on:\n  pull_request:\n  push:\n"))
+    for kind, pr in rehearse.PULL_REQUESTS.items():
+        assert rehearse.pr_gpu_jobs(wf, pr) == ["fork.yml:pwn", "gpu.yml:gpu"], kind
+
+
+def test_act_only_a_green_push_or_nightly_run_of_main_publishes():
+    """gpu.yml's jobs run on this host under act for each scenario (failed, cancelled legs; dispatches of main,
+    of a PR head, from a branch): known-good runs only after green push/nightly runs of main. Seeded: the old
+    `always() && needs.gpu.result != 'skipped'` gate, a gate without the event check, a GPU job without the
+    main guard."""
+    need_tool("act")
+    from ci.sessions import rehearse
+
+    doc = lint._load_yaml(WORKFLOWS / "gpu.yml")
+    assert rehearse.publish_rehearsal(doc) == []
+    old = {**doc, "jobs": {**doc["jobs"], "known-good": {
+        **doc["jobs"]["known-good"], "if": "${{ always() && !cancelled() && needs.gpu.result != 'skipped' }}"}}}
+    assert {p.split(":")[0] for p in rehearse.publish_rehearsal(old)} == {
+        "push to main, a leg failed", "push to main, a leg cancelled", "dispatch on main", "dispatch of a PR head",
+        "dispatch of a PR head, red"}
+    any_event = {**doc, "jobs": {**doc["jobs"], "known-good": {
+        **doc["jobs"]["known-good"], "if": "success() && needs.gpu.result == 'success'"}}}
+    assert {p.split(":")[0] for p in rehearse.publish_rehearsal(any_event)} == {
+        "dispatch on main", "dispatch of a PR head"}
+    unguarded = {**doc, "jobs": {**doc["jobs"], "plan": {k: v for k, v in doc["jobs"]["plan"].items() if k != "if"},
+                                 "gpu": {k: v for k, v in doc["jobs"]["gpu"].items() if k != "if"}}}
+    assert [p.split(":")[0] for p in rehearse.publish_rehearsal(unguarded)] == ["dispatch from a branch"]
+
+
 # ------------------------------------------------------------------------------------ action pins
 
 
@@ -471,8 +619,9 @@ def test_action_pin_check_fails_on_node20_unrecorded_and_mislabelled_pins(tmp_pa
 def test_dependency_updates_cover_actions_locks_and_base_images():
     config = json.loads((ROOT / ".github" / "renovate.json").read_text())
     assert {"github-actions", "pip_requirements", "custom.regex"} <= set(config["enabledManagers"])
-    locks = config["pip_requirements"]["managerFilePatterns"]
-    assert any("requirements/locks" in p for p in locks) and any("bootstrap" in p for p in locks)
+    # Renovate edits the lock inputs; the locks are regenerated (`nox -s lock`), never edited by a manager.
+    inputs = [re.compile(p.strip("/")) for p in config["pip_requirements"]["managerFilePatterns"]]
+    assert any(p.search("requirements/test.in") for p in inputs) and "requirements/locks/**" in config["ignorePaths"]
     (regex,) = config["customManagers"]
     assert "matrix" in regex["managerFilePatterns"][0] and regex["datasourceTemplate"] == "docker"
     pattern = re.compile(regex["matchStrings"][0].replace("(?<", "(?P<"))

@@ -1,11 +1,11 @@
-"""One pytest-xdist worker per visible GPU, each pinned to its own GPU.
+"""pytest-xdist workers spread over the visible GPUs, each pinned to one of them.
 
 Load it either way (both may be active; it is idempotent):
   - from tests/gpu/conftest.py:  `from ._pinning import pytest_xdist_auto_num_workers  # noqa: F401`
   - on the command line:         `python -m pytest -p ci.sessions.gpu_split tests/gpu -n auto` (the nox sessions)
 
 Visible GPUs: NSA_GPU_LIST, else CUDA_VISIBLE_DEVICES, else every GPU `nvidia-smi` lists (torch as a
-last resort, in the controller only). In the controller `-n auto` becomes one worker per GPU
+last resort, in the controller only). In the controller `-n auto` becomes workers_per_gpu() workers for each GPU
 (pytest_xdist_auto_num_workers), and the list is exported as NSA_GPU_LIST for the workers.
 Worker gwN: before anything touches CUDA (at import of this module, which happens before the test
 modules and before any conftest below the one importing it), CUDA_VISIBLE_DEVICES is set to the N-th GPU
@@ -25,6 +25,20 @@ __all__ = ["pytest_xdist_auto_num_workers"]
 
 LIST_ENV = "NSA_GPU_LIST"
 PINNED_ENV = "NSA_GPU_PINNED"
+PER_GPU_ENV = "NSA_WORKERS_PER_GPU"
+
+
+def workers_per_gpu(n_gpus: int, environ=os.environ, cpus: int | None = None) -> int:
+    """Workers sharing each GPU. A cold suite spends most of its time compiling Triton kernels on the CPU,
+    so several workers per GPU keep both busy: one per core, at most 16 per GPU (tests/gpu/_sharing.py keeps
+    them within the GPU's memory). NSA_WORKERS_PER_GPU overrides."""
+    if environ.get(PER_GPU_ENV, "").strip():
+        value = environ[PER_GPU_ENV].strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{PER_GPU_ENV}={value!r}: expected a whole number >= 1")
+        return int(value)
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(16, cpus // max(1, n_gpus)))
 
 
 def visible_gpus(allow_torch: bool = True) -> list[str]:
@@ -72,12 +86,12 @@ def pin_worker(environ=os.environ) -> str | None:
     return gpu
 
 
-@pytest.hookimpl(optionalhook=True)
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own answer (one per CPU)
 def pytest_xdist_auto_num_workers(config):
     gpus = visible_gpus()
     if gpus and LIST_ENV not in os.environ:
         os.environ[LIST_ENV] = ",".join(gpus)
-    return len(gpus) or None
+    return len(gpus) * workers_per_gpu(len(gpus)) if gpus else None
 
 
 pin_worker()

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _sharing import mark_big_tests, pytest_pyfunc_call, pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401
 from triton_sel_helpers import SEL_ENV  # tests/gpu is on sys.path (rootdir conftest)
 
 from nsa import telemetry
@@ -21,7 +22,9 @@ MINE = ("test_fa2_parity.py", "test_fa2_gpu_varlen.py", "test_backward_varlen.py
 
 
 def pytest_collection_modifyitems(config, items):
-    """The FA-2 files: marked gpu; skipped with the reason without CUDA, or when not selected."""
+    """The FA-2 files: marked gpu; skipped with the reason without CUDA, or when not selected. Tests marked
+    big_gpu_memory share one xdist group (tests/gpu/_sharing.py)."""
+    mark_big_tests(items)
     mine = [it for it in items if os.path.basename(str(it.fspath)) in MINE]
     selected = os.environ.get("NSA_TEST_FA2") == "1" or "gpu" in (config.getoption("-m") or "")
     for it in mine:

@@ -60,6 +60,7 @@ def test_ragged_decode_equals_prefill(gen, dtype, name, lengths, steps, Hq, Hkv,
         assert rel_err(got[same], want[same]) <= TOL[dtype]
 
 
+@pytest.mark.big_gpu_memory
 def test_paper_heads_bf16(gen):
     case = make_case(gen, NSAConfig(), [700, 4097], 6, 64, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
     cache = prefill_cache(case)

@@ -37,6 +37,7 @@ def grads_kernel_vs_fp64(gen, q, k, v, idx, ss, cfg, chunk=256):
     return got, want
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("Hq,Hkv,Dk,Dv", [(64, 4, 128, 128), (64, 4, 192, 128)])
 def test_kernel_grads_paper_shapes(gen, dtype, Hq, Hkv, Dk, Dv):

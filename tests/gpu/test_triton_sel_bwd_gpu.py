@@ -76,6 +76,7 @@ def test_grads_group_sizes_and_head_dims(gen, G, Dk, Dv):
     assert (out[0, 5] == 0).all() and (dq[0, 5] == 0).all()
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("Dk,Dv", [(128, 128), (192, 128)])
 def test_grads_dtypes_paper_config(gen, dtype, Dk, Dv):
@@ -122,6 +123,7 @@ def test_backward_is_bitwise_deterministic(gen):
         assert torch.equal(a, b), f"d{name} differs between two runs"
 
 
+@pytest.mark.big_gpu_memory
 def test_backward_offsets_past_2_pow_31(gen):
     """q, o, dq hold more than 2**31 elements. Indices: each token's local block and the one before, and a
     late block jx selected by the last 1100 tokens (several chunks). From block jx on, queries select only

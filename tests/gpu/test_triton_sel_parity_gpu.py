@@ -46,6 +46,7 @@ def sel_triton(q, k, v, idx, seq_start, cfg):
     return selected_attention_triton(q, k, v, idx, seq_start, cfg)
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("Hq,Hkv,Dk,Dv", [(64, 4, 128, 128), (64, 4, 192, 128)])
 def test_kernel_paper_shapes(gen, dtype, Hq, Hkv, Dk, Dv):
@@ -94,6 +95,7 @@ def test_kernel_varlen_with_empty_sequences(gen):
     assert err(sel_triton(q, k, v, idx, ss, SMALL), sel_ref(q, k, v, idx, ss, SMALL)) < TOL[dtype]
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.parametrize("Dk,Dv", [(128, 128), (192, 128)])
 def test_tma_copies_match_pointer_loads(gen, monkeypatch, Dk, Dv):
     """On Hopper the forward and dq kernels read K/V tiles by TMA: same outputs and gradients as pointer
@@ -122,6 +124,7 @@ def test_tma_copies_match_pointer_loads(gen, monkeypatch, Dk, Dv):
     assert err(runs[True][0], sel_ref(q, k, v, idx, ss, PAPER)) < TOL[dtype]
 
 
+@pytest.mark.big_gpu_memory
 def test_kernel_offsets_past_2_pow_31(gen):
     """q/o hold more than 2**31 elements: the last rows must be right (int64 offsets)."""
     Hq, Hkv, D, dtype = 64, 4, 128, torch.bfloat16

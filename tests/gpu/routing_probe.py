@@ -1,6 +1,6 @@
 """Routing and sanity probe: a few NSA calls on the GPU with the debug log on, and the telemetry counters.
 
-    NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5 python -m ci.sessions.routing_probe --device cuda --out telemetry.json
+    NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5 python tests/gpu/routing_probe.py --device cuda --out telemetry.json
 
 Runs, in bf16 and fp32: a dense prefill, a packed varlen prefill (cu_seqlens), its backward, and a few
 decode steps through an NSACache. Prints which backend served each branch (nsa.telemetry, with the

@@ -1,22 +1,21 @@
 """The bench gate's headline figures: a few fixed NSA timings, median over repeats.
 
-    python -m ci.evidence.bench_headline --out bench-headline.json [--device cuda] [--full] [--repeats 5]
+    python bench/bench_headline.py --out bench-headline.json [--device cuda] [--full] [--repeats 5]
 
-Figures (dtype bf16 on CUDA, fp32 on CPU; paper block sizes):
-  prefill_fwd_ms       nsa_attention forward, B=1, T=4096 (--full: 16384), Hq=16, Hkv=2, D=128 (ms, lower is better)
-  prefill_fwd_bwd_ms   the same forward plus backward w.r.t. q, k, v, gates (ms, lower is better)
-  decode_step_ms       one nsa_decode step after a prefill of S=4096 (--full: 16384) tokens into an NSACache
-                       (ms, lower is better)
-  speedup_fwd_bwd_vs_fa2_8k, _64k   CUDA only: dense causal FA-2 forward+backward time (SDPA, flash backend,
-                       GQA) over nsa_attention's, both measured in each repeat, paper heads (Hq=64, Hkv=4,
-                       D=128), T=8192 and 65536 (x, higher is better: the reason NSA exists)
-Each figure: `warmup` untimed calls, then `repeats` repeats of `iters` back-to-back calls timed with a
-device synchronization at both ends; a repeat's value is the mean per call and the figure is the median
-of the repeats (the spread is recorded as min/max). The clock is wall time on CUDA and this process's CPU
-time on CPU (so a loaded CI machine does not move CPU figures). `--tiny` shrinks every shape (CPU tests).
+Figures (bf16 on CUDA, fp32 on CPU; paper block sizes; B=1, Hq=16, Hkv=2, D=128; T = S = 4096, --full 16384):
+  prefill_fwd_ms, prefill_fwd_bwd_ms   nsa_attention forward; forward plus backward w.r.t. q, k, v, gates (ms)
+  decode_step_ms       one nsa_decode step after a prefill of S tokens into an NSACache (ms)
+  speedup_fwd_bwd_vs_fa2_8k, _64k   CUDA only: dense causal FA-2 forward+backward time (SDPA, flash backend, GQA)
+                       over nsa_attention's, both in each repeat; Hq=64, Hkv=4, T=8192 / 65536 (x, higher is better)
+Each figure: `warmup` untimed calls, then `repeats` repeats of `iters` calls timed with a device
+synchronization at both ends; a repeat's value is the mean per call, the figure the median of the repeats
+(min/max kept). The clock is wall time on CUDA and this process's CPU time on CPU (so a loaded CI machine
+does not move CPU figures). `--tiny` shrinks every shape (CPU tests). The gate that compares the figures
+with stored baselines is ci/evidence/bench_gate.py.
 
-Every timed function is wrapped by ci.evidence.slowdown.slowed(): NSA_TEST_SLOWDOWN=<factor> makes it that much
-slower (the test-only switch that proves the gate fails). The JSON records the factor it ran with.
+NSA_TEST_SLOWDOWN=<factor> (test-only) deliberately slows every timed function, so that a test can prove the
+gate fails: after each call `slowed()` synchronizes the device, measures the call and spins for (factor - 1)
+times that duration, proportional on CPU and GPU alike. Nothing in nsa/ reads it; the JSON records the factor.
 """
 
 from __future__ import annotations
@@ -24,28 +23,58 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SCHEMA = "nsa-bench-headline/1"
+ENV = "NSA_TEST_SLOWDOWN"
+
+
+def factor(environ=None) -> float:
+    """The slowdown factor from NSA_TEST_SLOWDOWN (1.0 when unset); a bad value is an error, not ignored."""
+    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
+    try:
+        value = float(raw or 1)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:
+        raise ValueError(f"{ENV} must be a number >= 1, got {raw!r}")
+    return value
+
+
+def slowed(fn: Callable, sync: Callable[[], None] | None = None, environ=None,
+           clock: Callable[[], float] = time.perf_counter) -> Callable:
+    """fn itself when no slowdown is asked; else a wrapper that makes each call ~factor times longer, as
+    measured by `clock` (wall time by default; the CPU headline bench passes time.process_time)."""
+    f = factor(environ)
+    if f == 1.0:
+        return fn
+
+    def wrapper(*args, **kwargs):
+        t0 = clock()
+        out = fn(*args, **kwargs)
+        if sync is not None:
+            sync()
+        t1 = clock()
+        while clock() < t1 + (f - 1.0) * (t1 - t0):
+            pass
+        return out
+
+    wrapper.__wrapped__, wrapper.slowdown = fn, f
+    return wrapper
+
 
 SHAPES = {
     "quick": dict(B=1, T=4096, Hq=16, Hkv=2, D=128, S=4096),
     "full": dict(B=1, T=16384, Hq=16, Hkv=2, D=128, S=16384),
     "tiny": dict(B=1, T=96, Hq=2, Hkv=1, D=16, S=96),
 }
-
-
-def _sync_for(device):
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def measure(fn, *, sync, warmup: int, iters: int, repeats: int, clock=time.perf_counter) -> dict:
@@ -70,14 +99,9 @@ def _inputs(shape, device, dtype, requires_grad=False, seed=0):
 
     g = torch.Generator().manual_seed(seed)
     B, T, Hq, Hkv, D = shape["B"], shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
-    q = torch.randn(B, T, Hq, D, generator=g)
-    k = torch.randn(B, T, Hkv, D, generator=g)
-    v = torch.randn(B, T, Hkv, D, generator=g)
-    gates = torch.rand(B, T, Hq, 3, generator=g)
-    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, gates)]
-    if requires_grad:
-        out = [x.requires_grad_() for x in out]
-    return out
+    qkvg = (torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hkv, D, generator=g),
+            torch.randn(B, T, Hkv, D, generator=g), torch.rand(B, T, Hq, 3, generator=g))
+    return [x.to(device=device, dtype=dtype).requires_grad_(requires_grad) for x in qkvg]
 
 
 SPEEDUP_T = (8192, 65536)
@@ -109,13 +133,9 @@ def speedup_vs_fa2(T: int, device, dtype, cfg, slow, sync, clock, *, warmup: int
     for _ in range(warmup):
         nsa_fn()
         dense_fwd_bwd()
-    ratios, nsa_ms, dense_ms = [], [], []
-    for _ in range(repeats):
-        n = measure(nsa_fn, **one)["value"]
-        d = measure(dense_fwd_bwd, **one)["value"]
-        ratios.append(d / n)
-        nsa_ms.append(n)
-        dense_ms.append(d)
+    nsa_ms, dense_ms = zip(*[(measure(nsa_fn, **one)["value"], measure(dense_fwd_bwd, **one)["value"])
+                             for _ in range(repeats)])
+    ratios = [d / n for n, d in zip(nsa_ms, dense_ms)]
     return {"value": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "repeats": ratios,
             "iters": 1, "warmup": warmup, "unit": "x", "better": "higher", "T": T, **SPEEDUP_SHAPE,
             "nsa_fwd_bwd_ms": statistics.median(nsa_ms), "dense_fa2_fwd_bwd_ms": statistics.median(dense_ms)}
@@ -125,7 +145,6 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
         warmup: int | None = None, only: list[str] | None = None) -> dict:
     import torch
 
-    from ci.evidence.slowdown import factor, slowed
     from nsa import NSACache, NSAConfig, nsa_attention, nsa_decode, nsa_prefill
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -135,7 +154,7 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
     cfg = NSAConfig() if size != "tiny" else NSAConfig(block_cmp=16, stride_cmp=8, block_sel=16, n_sel=4, window=32)
     iters = iters or (10 if size != "tiny" else 3)
     warmup = warmup if warmup is not None else (3 if size != "tiny" else 1)
-    sync = _sync_for(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
     clock = time.perf_counter if device.startswith("cuda") else time.process_time
     timed = dict(sync=sync, warmup=warmup, repeats=repeats, clock=clock)
 
@@ -166,14 +185,10 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
 
         figures["prefill_fwd_bwd_ms"] = measure(slow(fwd_bwd), iters=max(1, iters // 2), **timed)
     if "decode_step_ms" in want:
-        S = shape["S"]
-        pre = dict(shape, T=S)
-        q, k, v, g = _inputs(pre, device, dtype)
-        steps = warmup + repeats * iters
-        cache = NSACache(cfg, shape["B"], S + steps, shape["Hkv"], shape["D"], shape["D"], device=device,
-                         dtype=dtype)
+        cache = NSACache(cfg, shape["B"], shape["S"] + warmup + repeats * iters, shape["Hkv"], shape["D"],
+                         shape["D"], device=device, dtype=dtype)
         with torch.no_grad():
-            nsa_prefill(q, k, v, g, cache)
+            nsa_prefill(*_inputs(dict(shape, T=shape["S"]), device, dtype), cache)
         one = _inputs(dict(shape, T=1), device, dtype, seed=2)
 
         def step():
@@ -189,23 +204,13 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
                 figures[name] = speedup_vs_fa2(T, device, dtype, NSAConfig(), slow, sync, clock, warmup=1,
                                                repeats=min(repeats, 3))
 
-    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
-    return {
-        "schema": SCHEMA,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "device": device,
-        "gpu": gpu,
-        "dtype": str(dtype).replace("torch.", ""),
-        "size": size,
-        "shape": shape,
-        "config": {k_: getattr(cfg, k_) for k_ in ("block_cmp", "stride_cmp", "block_sel", "n_sel", "window")},
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "slowdown": factor(),
-        "clock": clock.__name__,
-        "figures": figures,
-    }
+    return {"schema": SCHEMA, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "device": device,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+            "dtype": str(dtype).replace("torch.", ""), "size": size, "shape": shape,
+            "config": {k_: getattr(cfg, k_) for k_ in ("block_cmp", "stride_cmp", "block_sel", "n_sel", "window")},
+            "torch": torch.__version__, "python": platform.python_version(), "slowdown": factor(),
+            "clock": clock.__name__, "figures": figures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,5 +233,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's nsa when it is not installed
     sys.exit(main())

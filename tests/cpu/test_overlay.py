@@ -1,0 +1,34 @@
+"""ci/sessions/overlay.py: which of a cell's locked packages a host must get from the lock's own wheels."""
+
+from __future__ import annotations
+
+from ci.locks import lock_path, parse_lock
+from ci.matrix import load
+from ci.sessions import overlay
+
+CELL = "cu130-torch2.11-py312"
+
+
+def locked() -> dict[str, str]:
+    return {name: pin.version for name, pin in parse_lock(lock_path(load(), CELL).read_text()).items()}
+
+
+def test_plan_installs_what_is_missing_or_at_another_version_only():
+    have = {**locked(), "torch": "2.11.0+cu130", "jax": "0.11.2"}  # the CUDA build's local label matches
+    have["pytest"], have["filelock"] = "9.1.1", "3.0"
+    del have["nox"]
+    plan = overlay.plan(CELL, have)
+    assert [name for name, _, _ in plan["install"]] == ["filelock", "nox", "pytest"]
+    assert dict((n, h) for n, _, h in plan["install"]) == {"filelock": "3.0", "nox": None, "pytest": "9.1.1"}
+    assert plan["extra"] == 1 and plan["matching"] == len(locked()) - 3
+
+
+def test_a_cpu_torch_is_not_the_cuda_cells_torch():
+    plan = overlay.plan(CELL, {**locked(), "torch": "2.11.0+cpu"})
+    assert [name for name, _, _ in plan["install"]] == ["torch"]
+
+
+def test_read_freeze(tmp_path):
+    f = tmp_path / "freeze.txt"
+    f.write_text("Markdown-It-Py==4.2.0\n-e git+https://example.invalid/x#egg=x\npytest==9.1.1\n")
+    assert overlay.read_freeze(f) == {"markdown-it-py": "4.2.0", "pytest": "9.1.1"}

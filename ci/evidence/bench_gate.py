@@ -92,6 +92,12 @@ def promote(headline: dict, baselines: dict, cls: str, *, commit: str, artifact:
     return baselines
 
 
+def check(headline: dict, baselines: dict, cls: str) -> dict:
+    """compare() of a headline JSON's figures, with its slowdown factor and describe()'s lines."""
+    result = {**compare(headline["figures"], baselines, cls), "slowdown": headline.get("slowdown", 1.0)}
+    return {**result, "lines": describe(result)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cmd", choices=("check", "promote"))
@@ -113,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.baselines).write_text(json.dumps(baselines, indent=2) + "\n")
         print(f"bench gate: baselines for {cls} written to {args.baselines}")
         return 0
-    result = {**compare(headline["figures"], baselines, cls), "slowdown": headline.get("slowdown", 1.0)}
-    print("".join(f"gate: {line}\n" for line in describe(result)) + f"gate: {result['status']} ({cls}, allowance "
+    result = check(headline, baselines, cls)
+    print("".join(f"gate: {line}\n" for line in result["lines"]) + f"gate: {result['status']} ({cls}, allowance "
           f"{result['allowance']:.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -364,12 +364,8 @@ def bench_gate(ctx: Ctx) -> bool:
     from ci.evidence import bench_gate as G
 
     headline = json.loads(head.read_text())
-    cls = G.gpu_class(headline.get("gpu"))
-    if ctx.opts.full:
-        cls += "-full"
-    result = G.compare(headline["figures"], G.load_baselines(), cls)
-    result["slowdown"] = headline.get("slowdown", 1.0)
-    result["lines"] = G.describe(result)
+    cls = G.gpu_class(headline.get("gpu")) + ("-full" if ctx.opts.full else "")
+    result = G.check(headline, G.load_baselines(), cls)
     (run.path / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
     run.state["gate"] = result
     for line in result["lines"]:

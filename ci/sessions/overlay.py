@@ -2,7 +2,8 @@
 
 A GPU host (a cloud machine, a lent one) often has the cell's torch, triton and CUDA libraries already, and
 other versions of a few small packages. `make` builds a venv over the host's Python that sees the host's
-packages (--system-site-packages) and installs into it, by hash and offline, the lock's own wheels for
+packages (every site directory on the host interpreter's sys.path, in its order, after the venv's own; the
+host's Python may itself be a venv) and installs into it, by hash and offline, the lock's own wheels for
 every locked package the host lacks or has at another version; then `pip check`. The venv holds exactly the
 lock plus the host's extra packages, which is what the GPU sessions' lock check calls known-good; they run
 in it with `VENV/bin/nox --no-venv -s gpu_parity backward bench`.
@@ -32,6 +33,8 @@ from ci.matrix import load
 from nsa.env import check_lock
 
 MARKER = "nsa-overlay.json"
+SITES_CODE = ("import json, os, sys; print(json.dumps([p for p in sys.path if os.path.basename(p) in "
+              "('site-packages', 'dist-packages') and os.path.isdir(p)]))")
 LIST_CODE = ("import importlib.metadata as m, json; d = {}\n"
              "for x in m.distributions():\n    d.setdefault(x.metadata['Name'], x.version)\nprint(json.dumps(d))")
 
@@ -58,9 +61,16 @@ def plan(cell_id: str, have: dict[str, str]) -> dict:
 
 def make(cell_id: str, venv: Path, wheels: Path, python: str) -> dict:
     """Create the overlay venv, install what differs from `wheels` (hash-checked, no index), `pip check`."""
-    p = plan(cell_id, installed(python))
-    subprocess.run([python, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    vpy = str(venv / "bin" / "python")
+    # No pip of its own (ensurepip would bring its own pip and setuptools, shadowing the host's): the host's
+    # pip works on the venv through --python.
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    vpy, pip = str(venv / "bin" / "python"), [python, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    sites = json.loads(subprocess.run([python, "-c", SITES_CODE], capture_output=True, text=True, check=True).stdout)
+    own = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    # addsitedir also runs the host's own .pth files, as the host's interpreter does.
+    Path(own, "nsa-host-site.pth").write_text(f"import site; list(map(site.addsitedir, {sites!r}))\n")
+    p = plan(cell_id, installed(vpy))
     if p["install"]:
         pins = parse_lock(lock_path(load(), cell_id).read_text())
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -68,11 +78,12 @@ def make(cell_id: str, venv: Path, wheels: Path, python: str) -> dict:
                 pin = pins[name]
                 f.write(f"{name}=={pin.version} " + " ".join(f"--hash=sha256:{h}" for h in pin.hashes) + "\n")
         # --ignore-installed: the host's copy of a package must not satisfy the lock's other version.
-        subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), "--no-deps",
+        subprocess.run([*pip, "install", "-q", "--no-index", "--find-links", str(wheels), "--no-deps",
                         "--require-hashes", "--ignore-installed", "--no-compile", "-r", f.name], check=True)
-    check = subprocess.run([vpy, "-m", "pip", "check"], capture_output=True, text=True)
+    check = subprocess.run([*pip, "check"], capture_output=True, text=True)
     after = plan(cell_id, installed(vpy))
-    record = {**p, "base_python": python, "after": {k: after[k] for k in ("install", "matching", "extra")},
+    record = {**p, "base_python": python, "host_sites": sites,
+              "after": {k: after[k] for k in ("install", "matching", "extra")},
               "pip_check": {"returncode": check.returncode, "output": check.stdout.strip().splitlines()[:50]}}
     (venv / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -80,38 +91,31 @@ def make(cell_id: str, venv: Path, wheels: Path, python: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.sessions.overlay", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    pl = sub.add_parser("plan", help="what differs between a Python's packages and the cell's lock")
-    dl = sub.add_parser("download", help="the lock's wheels for what a host (pip freeze) lacks or has otherwise")
-    mk = sub.add_parser("make", help="create the overlay venv and install the lock's wheels into it")
-    for p in (pl, dl, mk):
-        p.add_argument("cell")
-    for p in (pl, mk):
-        p.add_argument("--python", default=sys.executable, help="the host's interpreter (default: this one)")
-    dl.add_argument("--have", type=Path, required=True, help="the host's `pip list --format=freeze`")
-    dl.add_argument("--dest", type=Path, required=True)
-    mk.add_argument("venv", type=Path)
-    mk.add_argument("--wheels", type=Path, required=True, help="folder of the lock's wheels (download's --dest)")
+    ap.add_argument("cmd", choices=("plan", "download", "make"), help="see this module's docstring")
+    ap.add_argument("cell")
+    ap.add_argument("venv", type=Path, nargs="?", help="make: the venv to create")
+    ap.add_argument("--python", default=sys.executable, help="the host's interpreter (default: this one)")
+    ap.add_argument("--have", type=Path, help="download: the host's `pip list --format=freeze`")
+    ap.add_argument("--dest", type=Path, help="download: where the wheels go")
+    ap.add_argument("--wheels", type=Path, help="make: folder of the lock's wheels (download's --dest)")
     args = ap.parse_args(argv)
+    needs = {"download": ("have", "dest"), "make": ("venv", "wheels")}.get(args.cmd, ())
+    if [n for n in needs if getattr(args, n) is None]:
+        ap.error(f"{args.cmd} needs " + " and ".join(f"--{n}" if n != "venv" else "VENV" for n in needs))
     if args.cmd == "make":
         rec = make(args.cell, args.venv, args.wheels, args.python)
-        left = rec["after"]["install"]
         print(f"{args.venv}: {len(rec['install'])} package(s) from the lock's wheels over {args.python}; "
-              f"{len(left)} still differ; pip check exit {rec['pip_check']['returncode']}")
-        for line in rec["pip_check"]["output"]:
-            print(f"  pip check: {line}")
-        return 1 if left or rec["pip_check"]["returncode"] else 0
-    have = read_freeze(args.have) if args.cmd == "download" else installed(args.python)
-    p = plan(args.cell, have)
+              f"{len(rec['after']['install'])} still differ; pip check exit {rec['pip_check']['returncode']}")
+        print("".join(f"  pip check: {line}\n" for line in rec["pip_check"]["output"]), end="")
+        return int(bool(rec["after"]["install"] or rec["pip_check"]["returncode"]))
+    p = plan(args.cell, read_freeze(args.have) if args.cmd == "download" else installed(args.python))
     if args.cmd == "download":
-        args.dest.mkdir(parents=True, exist_ok=True)
         m = load()
         files = download_wheels(m, m.get(args.cell), args.dest, only={n for n, _, _ in p["install"]})
         print(f"{len(files)} wheel(s) in {args.dest} for {len(p['install'])} package(s)")
         return 0
     print(f"{args.cell}: {p['matching']} as locked, {len(p['install'])} to install, {p['extra']} extra")
-    for name, want, have in p["install"]:
-        print(f"  {name:28} locked {want:14} installed {have or '-'}")
+    print("".join(f"  {n:28} locked {want:14} installed {have or '-'}\n" for n, want, have in p["install"]), end="")
     return 0
 
 

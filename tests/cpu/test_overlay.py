@@ -32,3 +32,25 @@ def test_read_freeze(tmp_path):
     f = tmp_path / "freeze.txt"
     f.write_text("Markdown-It-Py==4.2.0\n-e git+https://example.invalid/x#egg=x\npytest==9.1.1\n")
     assert overlay.read_freeze(f) == {"markdown-it-py": "4.2.0", "pytest": "9.1.1"}
+
+
+def test_make_over_this_interpreter(tmp_path):
+    """A venv over this test interpreter (a nox venv of its cell's lock): it imports the host's torch, holds
+    the lock exactly, and `pip check` is clean. The host being a venv itself is the case that matters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    cell = os.environ.get("NSA_CELL")
+    if not cell:
+        pytest.skip("NSA_CELL is not set: these tests run outside a nox session of a cell")
+    venv = tmp_path / "lock"
+    assert overlay.main(["make", cell, str(venv), "--wheels", str(tmp_path), "--python", sys.executable]) == 0
+    record = json.loads((venv / overlay.MARKER).read_text())
+    assert record["after"]["install"] == [] and record["pip_check"]["returncode"] == 0
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, sys; print(torch.__file__)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith(tuple(record["host_sites"]))

@@ -1,12 +1,7 @@
 """Generate and check the hash-pinned locks of requirements/matrix.toml.
 
-    python -m ci.locks                    # relock every cell, requirements/bootstrap.txt and locks/tools.txt
-    python -m ci.locks CELL [CELL ...]    # relock some (targets: cell ids, "bootstrap", "tools", "lint")
-    python -m ci.locks --upgrade [CELL]   # relock afresh: the newest versions the inputs allow
-    python -m ci.locks --check            # offline: fail when any lock is stale, malformed or edited by hand
-    python -m ci.locks --check --resolve  # and re-resolve every lock with uv (needs the package indexes)
-    python -m ci.locks --outdated         # ask PyPI what is newer than the matrix (ci/matrix/outdated.py)
-    (`nox -s lock`, `nox -s lock -- --check` and `nox -s lock -- --outdated` run exactly these.)
+`python -m ci.locks [TARGET ...] [--upgrade | --check [--resolve] | --outdated]` is the CLI (`nox -s lock`,
+ci/locks/__main__.py; docs/environments.md describes each option).
 
 A cell lock is `uv pip compile --generate-hashes` of the cell's layers (requirements/<layer>.in, matrix
 `defaults.layers`, plus `source_build_layers` for cells that build flash-attn) with the cell's own pins

@@ -7,6 +7,7 @@ one invocation are one run (NSA_RUN_ID, set once when unset)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -145,16 +146,12 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
     base = (opts.out if opts.out.is_absolute() else ROOT / opts.out).resolve()
     commit = A.git_commit(environ=env, exclude=str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else None)
     base.mkdir(parents=True, exist_ok=True)
-    # The sessions of one run share an interpreter: the environment report and the lock check are made once
-    # per run and interpreter (seconds each, three sessions a run).
-    cache = base / f".env-{A.slug_path(env['NSA_RUN_ID'])}.json"
+    # The environment report and the lock check: once per run and interpreter (seconds each, three sessions).
+    cache, tmp = base / f".env-{A.slug_path(env['NSA_RUN_ID'])}.json", base / ".env-probe.json"
     cached = json.loads(cache.read_text()) if cache.exists() else {}
-    tmp = base / ".env-probe.json"
-    if cached.get("python") == python and cached.get("report"):
-        report = cached["report"]
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-    else:
-        report, cached = A.collect_env(python, tmp, env=env), {}
+    cached = cached if cached.get("python") == python else {}
+    report = cached.get("report") or A.collect_env(python, tmp, env=env)
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
     cell = env.get("NSA_CELL") or report.get("cell") or "unknown"
     gpus = report.get("gpus") or [{"name": n} for n in gpu_info.get("names", [])]
     run = A.RunDir.create(base, cell, gpus, run_id=env["NSA_RUN_ID"], commit=commit,
@@ -217,11 +214,9 @@ def suite_files(suite: str) -> tuple[list[str], list[str]]:
 
 
 def has_module(python: str, name: str, env: dict) -> bool:
-    try:
-        p = subprocess.run([python, "-c", f"import {name}"], env=env, capture_output=True, timeout=120)
-        return p.returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return not subprocess.run([python, "-c", f"import {name}"], env=env, capture_output=True, timeout=60).returncode
+    return False
 
 
 def pytest_suite(ctx: Ctx, suite: str, files: list[str], missing: list[str]) -> bool:

@@ -370,6 +370,12 @@ def run_seconds(state: dict) -> float | None:
     return (b - a).total_seconds() if a and b else None
 
 
+def overlay_facts(overlay: dict | None) -> dict | None:
+    """What a published entry keeps of an overlay venv's record: what it installed and `pip check`'s answer
+    (the host's paths stay in state.json)."""
+    return {k: overlay.get(k) for k in ("install", "pip_check")} if overlay else None
+
+
 def known_good_record(state: dict, artifact_dir: str) -> dict:
     """The run's entry for KNOWN_GOOD.md; its status comes from verdict()."""
     e, gate, lock = state.get("env") or {}, state.get("gate") or {}, state.get("lock") or {}
@@ -381,7 +387,7 @@ def known_good_record(state: dict, artifact_dir: str) -> dict:
         "run_seconds": run_seconds(state),
         "versions": {k: e.get(k) for k in ("python", "torch", "triton", "cuda", "cudnn", "flash_attn")},
         "lock": {k: lock.get(k) for k in ("path", "sha256")}, "lock_check": lock.get("check"),
-        "image_digest": (state.get("image") or {}).get("digest"), "overlay": state.get("overlay"),
+        "image_digest": (state.get("image") or {}).get("digest"), "overlay": overlay_facts(state.get("overlay")),
         "suites": {n: {"status": s.get("status"), "runtime_s": s.get("runtime_s"),
                        **{k: (s.get("counts") or {}).get(k) for k in ("passed", "failed", "skipped")}}
                    for n, s in sorted((state.get("suites") or {}).items())},

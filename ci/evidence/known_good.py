@@ -2,13 +2,11 @@
 
     python -m ci.evidence.known_good [FILES_OR_DIRS ...] [--out-dir .]     (nox -s publish -- ...)
 
-Inputs: known_good.json files (ci/evidence/artifacts.py writes one per run directory) or directories searched for
-them; default: artifacts/. The existing root known_good.json is merged too, so earlier entries stay.
-Refused, with a message: an entry with no date (ISO 8601 with a UTC offset) or dated in the future beyond
-CLOCK_SKEW; a CI run that is not a push or schedule run on main (evidence for its change, not for this
-table). Every other entry's status is decided again by ci.evidence.artifacts.verdict. One entry per
-(cell, GPU set): the newest by date wins (a later input on a tie); when it is not known-good, the table
-keeps the last known-good commit beside it.
+Inputs: known_good.json files or folders holding them (default: artifacts/), and the root known_good.json.
+Refused, with a message: an entry without an ISO 8601 date with a UTC offset, one dated in the future beyond
+CLOCK_SKEW, a CI run that is not a push or schedule run on main. Every verdict is decided again by
+ci.evidence.artifacts.verdict; per (cell, GPU set) the newest entry wins, and when it is not known-good the
+table keeps the last known-good commit beside it.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ def merge(docs: list[dict], now: _dt.datetime | None = None, refused: list[str] 
                 (refused if refused is not None else []).append(f"{e.get('cell')} x {e.get('gpu_slug')} "
                                                                 f"({e.get('commit')}): {why}")
                 continue
-            e = {**e, **dict(zip(("status", "reason"), A.verdict(e)))}
+            e = {**e, "overlay": A.overlay_facts(e.get("overlay")), **dict(zip(("status", "reason"), A.verdict(e)))}
             k = (str(e.get("cell")), str(e.get("gpu_slug") or e.get("gpu")))
             if newer(e, best.get(k)):
                 best[k] = e
@@ -104,22 +102,20 @@ SECTIONS = (  # (status, title, what); None: every other status
 
 
 # GPU classes CI targets, and why a class has no run where none is recorded.
-GPU_CLASSES = {"A100": "no A100 runner or machine has run the suites yet", "H100": "not run on an H100 yet",
-               "H200": "not run on an H200 yet"}
+GPU_CLASSES = {"A100": "no A100 runner or machine has run the suites yet", "H100": "", "H200": ""}
 
 
 def coverage(entries: list[dict], cells: list[str]) -> list[str]:
     """Per GPU class: the cells proven known-good, those with other results, and how many were never run."""
-    lines = ["", "## Coverage", "", "Which GPU cells of the matrix each GPU class has proven. A cell not named "
-             "here has not been run on that class.", ""]
+    lines = ["", "## Coverage", "", "Which GPU cells of the matrix each GPU class has proven.", ""]
     for cls, why in GPU_CLASSES.items():
         seen = {e["cell"]: e["status"] for e in entries if cls in str(e.get("gpu")).upper()}
         good = sorted(c for c, s in seen.items() if s == A.KNOWN_GOOD)
         other = sorted(f"{c} ({s})" for c, s in seen.items() if s != A.KNOWN_GOOD)
-        unrun = len([c for c in cells if c not in seen])
+        note = f" ({why})" if why else ""
         lines.append(f"- **{cls}**: known-good: {', '.join(good) or 'none'}; other results: "
-                     f"{', '.join(other) or 'none'}; {unrun} of {len(cells)} GPU cells not run"
-                     + (f" ({why})" if not seen else ""))
+                     f"{', '.join(other) or 'none'}; {len(set(cells) - set(seen))} of {len(cells)} GPU cells not "
+                     f"run{note}")
     return lines
 
 
@@ -154,7 +150,8 @@ def _row(e: dict) -> str:
     if e.get("overlay"):  # ci/sessions/overlay.py: the host's Python plus the lock's own wheels
         lock += f"; overlay venv: {len(e['overlay']['install'])} package(s) from the lock's wheels over the host's"
     suites = ", ".join(f"{n} {s.get('status')}" for n, s in sorted((e.get("suites") or {}).items()))
-    head = ", ".join(f"{n} {val:g} ms" for n, val in sorted((e.get("headline") or {}).items()))
+    head = ", ".join(f"{n} {val:g} {'x' if n.startswith('speedup') else 'ms'}"
+                     for n, val in sorted((e.get("headline") or {}).items()))
     head += f" (gate {e['bench_gate']})" if e.get("bench_gate") else ""
     commit = str(e.get("commit"))[:12] + (" (dirty)" if e.get("dirty") else "")
     return (f"| {e.get('cell')} | {gpu} | {status} | {str(e.get('date'))[:10]} | {commit} | {versions} | {lock} "

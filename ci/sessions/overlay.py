@@ -35,14 +35,13 @@ from nsa.env import check_lock
 MARKER = "nsa-overlay.json"
 SITES_CODE = ("import json, os, sys; print(json.dumps([p for p in sys.path if os.path.basename(p) in "
               "('site-packages', 'dist-packages') and os.path.isdir(p)]))")
-LIST_CODE = ("import importlib.metadata as m, json; d = {}\n"
-             "for x in m.distributions():\n    d.setdefault(x.metadata['Name'], x.version)\nprint(json.dumps(d))")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def installed(python: str) -> dict[str, str]:
-    """name -> version of what `python` imports (the first on its sys.path wins, as for imports)."""
-    out = subprocess.run([python, "-c", LIST_CODE], capture_output=True, text=True, check=True).stdout
-    return {canonicalize_name(k): v for k, v in json.loads(out).items() if k}
+    """name -> version of what `python` imports: nsa.env's view (the first on sys.path wins, as for imports)."""
+    code = "import json, nsa.env as e; print(json.dumps(e.installed_distributions()))"
+    return json.loads(subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 
 def read_freeze(path: Path) -> dict[str, str]:
@@ -63,7 +62,7 @@ def make(cell_id: str, venv: Path, wheels: Path, python: str) -> dict:
     """Create the overlay venv, install what differs from `wheels` (hash-checked, no index), `pip check`."""
     # No pip of its own (ensurepip would bring its own pip and setuptools, shadowing the host's): the host's
     # pip works on the venv through --python.
-    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([python, "-m", "venv", "--without-pip", "--clear", str(venv)], check=True)  # always from scratch
     vpy, pip = str(venv / "bin" / "python"), [python, "-m", "pip", "--python", str(venv / "bin" / "python")]
     sites = json.loads(subprocess.run([python, "-c", SITES_CODE], capture_output=True, text=True, check=True).stdout)
     own = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -5,12 +5,12 @@
 
 The Quick start installs the Quick-start cell of `python3`'s Python. Where that cell's torch comes from
 PyTorch's index (the +cpu build), out of reach in CI, the lock's wheels are fetched with pip's configured
-sources and served on 127.0.0.1 in that index's layout, NSA_PYTORCH_INDEX pointing there, as for a user
-behind a mirror of it. The commands are the
-first bash block under "## Quick start" in README.md, run with `python3` the requested Python, no pip
-configuration (PIP_CONFIG_FILE=/dev/null, no PIP_*), each pip install followed by `pip check`. --library
-then runs the block of "## Install the library for use" (PyTorch's index URL in it replaced by the local
-one, HOME a temp dir) and the Python examples of "## Using it", from a directory outside the checkout.
+sources and served on 127.0.0.1 in that index's layout, NSA_PYTORCH_INDEX pointing there, as for a user behind
+a mirror of it. The commands are the first bash block under "## Quick start" in README.md, run with `python3`
+the requested Python, no pip configuration (PIP_CONFIG_FILE=/dev/null, no PIP_*), each pip install followed by
+`pip check`. --library then runs the block of "## Install the library for use" (PyTorch's index URL in it
+replaced by the local one, HOME a temp dir) and the Python examples of "## Using it", from a directory outside
+the checkout.
 """
 
 from __future__ import annotations

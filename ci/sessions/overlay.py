@@ -1,6 +1,6 @@
 """A cell's exact lock on a prepared GPU host: an overlay virtual environment.
 
-A GPU host (a cloud machine, a lent one) often has the cell's torch, triton and CUDA libraries already, and
+A GPU host (a cloud or rented machine) often has the cell's torch, triton and CUDA libraries already, and
 other versions of a few small packages. `make` builds a venv over the host's Python that sees the host's
 packages (every site directory on the host interpreter's sys.path, in its order, after the venv's own; the
 host's Python may itself be a venv) and installs into it, by hash and offline, the lock's own wheels for

@@ -12,7 +12,7 @@ import pytest
 from ci.evidence import bench_gate as G
 
 _spec = importlib.util.spec_from_file_location("bench_headline", Path(__file__).parents[2] / "bench/bench_headline.py")
-H = slowdown = importlib.util.module_from_spec(_spec)
+H = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(H)
 
 BASE = {"schema": G.SCHEMA, "policy": {"allowance": 0.10},
@@ -62,14 +62,14 @@ def test_shipped_baselines_file_loads():
 
 
 def test_slowdown_switch(monkeypatch):
-    monkeypatch.delenv(slowdown.ENV, raising=False)
+    monkeypatch.delenv(H.ENV, raising=False)
     f = lambda: 1  # noqa: E731
-    assert slowdown.slowed(f) is f
-    assert slowdown.factor({slowdown.ENV: "2.5"}) == 2.5
+    assert H.slowed(f) is f
+    assert H.factor({H.ENV: "2.5"}) == 2.5
     for bad in ("x", "0.5", "-1"):
-        with pytest.raises(ValueError, match=slowdown.ENV):
-            slowdown.factor({slowdown.ENV: bad})
-    w = slowdown.slowed(f, environ={slowdown.ENV: "3"})
+        with pytest.raises(ValueError, match=H.ENV):
+            H.factor({H.ENV: bad})
+    w = H.slowed(f, environ={H.ENV: "3"})
     assert w() == 1 and w.slowdown == 3.0
 
 
@@ -87,7 +87,7 @@ def one_thread():
 
 def test_seeded_regression_fails_the_gate(tmp_path, monkeypatch, one_thread):
     """The real headline bench (tiny shapes, CPU): baseline, an unchanged rerun passes, a slowed one fails."""
-    monkeypatch.delenv(slowdown.ENV, raising=False)
+    monkeypatch.delenv(H.ENV, raising=False)
     run = lambda: H.run("cpu", "tiny", repeats=5, iters=2, only=["prefill_fwd_ms"])  # noqa: E731
     run()  # one-time costs (lazy imports, allocator warm-up) stay out of the baseline
     first = run()
@@ -101,7 +101,7 @@ def test_seeded_regression_fails_the_gate(tmp_path, monkeypatch, one_thread):
 
     assert G.compare(run()["figures"], baselines, "cpu")["status"] == G.PASS
 
-    monkeypatch.setenv(slowdown.ENV, "5")
+    monkeypatch.setenv(H.ENV, "5")
     slowed = run()
     assert slowed["slowdown"] == 5.0
     res = G.compare(slowed["figures"], baselines, "cpu")

@@ -43,9 +43,14 @@ def _fake_item(fn):
     return SimpleNamespace(obj=fn, funcargs={}, _fixtureinfo=SimpleNamespace(argnames=()), user_properties=[])
 
 
-def test_a_test_out_of_memory_is_rerun_alone_and_reported(tmp_path, monkeypatch):
+@pytest.fixture
+def worker_lock(tmp_path, monkeypatch):
+    """As in an xdist worker that shares a GPU (no GPU here: emptying the cache does nothing)."""
     monkeypatch.setattr(S, "_LOCK", S.GpuLock(tmp_path))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_a_test_out_of_memory_is_rerun_alone_and_reported(worker_lock):
     calls = []
 
     def flaky():
@@ -58,9 +63,7 @@ def test_a_test_out_of_memory_is_rerun_alone_and_reported(tmp_path, monkeypatch)
     assert item.user_properties == [("gpu_oom_rerun", "CUDA out of memory. Tried to allocate 2.00 GiB")]
 
 
-def test_other_failures_are_not_rerun(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "_LOCK", S.GpuLock(tmp_path))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+def test_other_failures_are_not_rerun(worker_lock):
     calls = []
 
     def failing():

@@ -63,14 +63,28 @@ def test_a_test_out_of_memory_is_rerun_alone_and_reported(worker_lock):
     assert item.user_properties == [("gpu_oom_rerun", "CUDA out of memory. Tried to allocate 2.00 GiB")]
 
 
-def test_other_failures_are_not_rerun(worker_lock):
+def test_a_triton_launch_out_of_memory_is_rerun_too(worker_lock):
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
+
+    item = _fake_item(flaky)
+    assert S.pytest_pyfunc_call(item) is True and len(calls) == 2
+    assert item.user_properties == [("gpu_oom_rerun", "Triton Error [CUDA]: out of memory")]
+
+
+@pytest.mark.parametrize("error", [AssertionError("wrong result"), RuntimeError("illegal memory access")])
+def test_other_failures_are_not_rerun(worker_lock, error):
     calls = []
 
     def failing():
         calls.append(1)
-        raise AssertionError("wrong result")
+        raise error
 
-    with pytest.raises(AssertionError, match="wrong result"):
+    with pytest.raises(type(error), match=str(error)):
         S.pytest_pyfunc_call(_fake_item(failing))
     assert len(calls) == 1
 

@@ -63,6 +63,12 @@ if WORKER and torch.cuda.is_available():
     _LOCK = GpuLock(Path(tempfile.gettempdir()) / f"nsa-gpu-share-{run}-{gpu}")
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """torch's allocator raises OutOfMemoryError; Triton's launcher, when the driver cannot reserve a launch's
+    local or scratch memory, raises a plain RuntimeError ("Triton Error [CUDA]: out of memory")."""
+    return isinstance(e, torch.OutOfMemoryError) or (type(e) is RuntimeError and "[CUDA]: out of memory" in str(e))
+
+
 def mark_big_tests(items) -> None:
     for item in items:
         if item.get_closest_marker(BIG):
@@ -79,7 +85,9 @@ def pytest_pyfunc_call(pyfuncitem):
             with _LOCK.shared():
                 pyfuncitem.obj(**args)
             return True
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
             first = str(e).splitlines()[0]
         torch.cuda.empty_cache()
         pyfuncitem.user_properties.append(("gpu_oom_rerun", first))

@@ -30,9 +30,10 @@ nox.options.error_on_missing_interpreters = False
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The CPU test suite (pytest-xdist over the available cores). Extra args go to pytest."""
+    """The CPU test suite (pytest-xdist over the available cores): the library (tests/cpu), its environment
+    tooling (tests/tooling) and ci/ with the workflows (tests/ci). Extra args go to pytest."""
     install_cell(session)
-    args = session.posargs or ["tests/cpu", "-n", "auto", "-q"]
+    args = session.posargs or ["tests/cpu", "tests/tooling", "tests/ci", "-n", "auto", "-q"]
     session.run("python", "-m", "pytest", *args, env={"TRITON_INTERPRET": "1"})
 
 
@@ -67,7 +68,7 @@ def lint(session: nox.Session) -> None:
         # --noconftest/-o addopts: the lint venv has no torch; these tests need none.
         session.run(
             "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts=",
-            "tests/cpu/test_workflows.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
+            "tests/ci/test_workflows.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
         )
 
 

@@ -325,8 +325,8 @@ def test_images_workflow_pushes_by_digest_and_moves_tags_only_from_main_after_th
     assert order == sorted(order), "build, check, attest, then move tags"
     build, check, tag = (steps[order[i]]["run"] for i in (0, 1, 3))
     assert "push-by-digest=true" in build and "-t " not in build and "--provenance=mode=max" in build
-    for needle in ('cmp - "requirements/locks/$CELL.txt"', "nsa.env --check-lock", "pip check", "import torch",
-                   "run python -m nsa.env\n"):
+    for needle in ('cmp - "requirements/locks/$CELL.txt"', "nsa_env --check-lock", "pip check", "import torch",
+                   "run python -m nsa_env\n"):
         assert needle in check, needle
     assert steps[order[3]]["if"] == "${{ github.ref == 'refs/heads/main' || startsWith(github.ref, 'refs/tags/v') }}"
     assert 'tags=(-t "$REPO:$CELL-$REF_NAME")' in tag and 'docker buildx imagetools create "${tags[@]}"' in tag

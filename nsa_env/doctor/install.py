@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from nsa import upstream
-from nsa.doctor.core import GLIBC_MISSING, Context, Finding, NotApplicable, older
+from nsa_env import upstream
+from nsa_env.doctor.core import GLIBC_MISSING, Context, Finding, NotApplicable, older
 
 
 def check_build_isolation(ctx: Context) -> list[Finding]:

@@ -1,4 +1,4 @@
-"""nsa.env: report schema, backend availability, lock drift and the doctor's diagnoses (each failure
+"""nsa_env: report schema, backend availability, lock drift and the doctor's diagnoses (each failure
 simulated on a report dict), and the flash-attn probes."""
 
 from __future__ import annotations
@@ -7,13 +7,17 @@ import copy
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from nsa import env
 from nsa.kernels import flash_wrappers as fw
+from nsa_env import cli, doctor, drift
+from nsa_env import report as env
 
 from .env_reports import cpu_report, h100_report
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOP_KEYS = {
     "schema",
@@ -33,7 +37,7 @@ TOP_KEYS = {
 
 
 def codes(report: dict, **kw) -> dict[str, str]:
-    return {f.code: f.severity for f in env.diagnose(report, **kw)}
+    return {f.code: f.severity for f in doctor.diagnose(report, **kw)}
 
 
 # --- report ----------------------------------------------------------------------------------------------
@@ -45,12 +49,12 @@ def test_collect_schema_and_json(capsys):
     assert set(r["backends"]) == set(env.BACKENDS)
     assert all(set(b) == {"ok", "reason"} for b in r["backends"].values())
     assert r["backends"]["reference"]["ok"] and r["backends"]["torch"]["ok"]
-    assert env.main(["--json"]) == 0
+    assert cli.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schema"] == "nsa-env/1"
 
 
 def test_text_report_runs(capsys):
-    assert env.main([]) == 0
+    assert cli.main([]) == 0
     out = capsys.readouterr().out
     for name in env.BACKENDS:
         assert f"  {name} " in out
@@ -119,7 +123,7 @@ GOOD = {"numpy": "2.5.2", "torch": "2.11.0", "triton": "3.6.0", "flash-attn": "2
 
 
 def test_no_drift_and_ignored_installers():
-    res = env.check_lock(LOCK, {**GOOD, "pip": "24.0", "nsa": "0.1.0"}, "cu130")
+    res = drift.check_lock(LOCK, {**GOOD, "pip": "24.0", "nsa": "0.1.0"}, "cu130")
     assert not res["drift"] and res["matching"] == 4
     assert {e["name"] for e in res["ignored"]} == {"pip", "nsa"}
 
@@ -127,7 +131,7 @@ def test_no_drift_and_ignored_installers():
 def test_missing_extra_and_wrong_version_are_drift():
     installed = {**GOOD, "numpy": "2.4.6", "jax": "0.11.2"}
     del installed["triton"]
-    res = env.check_lock(LOCK, installed, "cu130")
+    res = drift.check_lock(LOCK, installed, "cu130")
     assert res["drift"]
     assert res["missing"] == [{"name": "triton", "locked": "3.6.0"}]
     assert res["extra"] == [{"name": "jax", "installed": "0.11.2"}]
@@ -135,29 +139,29 @@ def test_missing_extra_and_wrong_version_are_drift():
 
 
 def test_local_label_of_the_cells_variant_is_not_drift():
-    res = env.check_lock(LOCK, {**GOOD, "torch": "2.11.0+cu130"}, "cu130")
+    res = drift.check_lock(LOCK, {**GOOD, "torch": "2.11.0+cu130"}, "cu130")
     assert not res["drift"] and res["local_label"][0]["installed"] == "2.11.0+cu130"
-    res = env.check_lock(LOCK, {**GOOD, "torch": "2.11.0+cu128"}, "cu130")
+    res = drift.check_lock(LOCK, {**GOOD, "torch": "2.11.0+cu128"}, "cu130")
     assert res["drift"] and res["wrong_version"][0]["name"] == "torch"
 
 
 def test_check_lock_cli_against_a_lock_file(tmp_path, capsys, monkeypatch):
     lock = tmp_path / "cell.txt"
     lock.write_text(LOCK)
-    monkeypatch.setattr(env, "installed_distributions", lambda: dict(GOOD))
-    assert env.main(["--check-lock", str(lock)]) == 0
-    monkeypatch.setattr(env, "installed_distributions", lambda: {**GOOD, "numpy": "1.0"})
+    monkeypatch.setattr(drift, "installed_distributions", lambda: dict(GOOD))
+    assert cli.main(["--check-lock", str(lock)]) == 0
+    monkeypatch.setattr(drift, "installed_distributions", lambda: {**GOOD, "numpy": "1.0"})
     capsys.readouterr()
-    assert env.main(["--check-lock", str(lock), "--json"]) == 1
+    assert cli.main(["--check-lock", str(lock), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["wrong_version"] == [{"name": "numpy", "locked": "2.5.2", "installed": "1.0"}]
-    assert env.main(["--check-lock", "no-such-cell"]) == 2
+    assert cli.main(["--check-lock", "no-such-cell"]) == 2
 
 
 def test_check_lock_real_cpu_lock_reports_drift_fields():
-    res = env.check_lock(
-        (env.REPO / "requirements/locks/cpu-torch2.13-py311.txt").read_text(),
-        env.installed_distributions(),
+    res = drift.check_lock(
+        (ROOT / "requirements/locks/cpu-torch2.13-py311.txt").read_text(),
+        drift.installed_distributions(),
         "cpu",
     )
     assert set(res) >= {"missing", "extra", "wrong_version", "local_label", "drift"}
@@ -174,7 +178,7 @@ def test_healthy_machine_has_no_errors_or_warnings():
 def test_torch_triton_mismatch():
     r = h100_report()
     r["triton"]["version"] = "3.5.1"
-    f = {x.code: x for x in env.diagnose(r)}
+    f = {x.code: x for x in doctor.diagnose(r)}
     assert (
         f["torch_triton_mismatch"].severity == "error" and "triton==3.6.0" in f["torch_triton_mismatch"].fix
     )
@@ -190,7 +194,7 @@ def test_flash_attn_undefined_symbol_names_the_matching_wheel():
         error="import flash_attn failed: flash_attn_2_cuda.so: undefined symbol: "
         "_ZN3c105ErrorC2ENS_14SourceLocationESs",
     )
-    f = {x.code: x for x in env.diagnose(r)}["flash_attn_abi"]
+    f = {x.code: x for x in doctor.diagnose(r)}["flash_attn_abi"]
     assert f.severity == "error"
     assert "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl" in f.fix
     if sys.version_info >= (3, 11):  # the matrix (tomllib) says whether upstream publishes it
@@ -200,7 +204,7 @@ def test_flash_attn_undefined_symbol_names_the_matching_wheel():
 def test_undefined_symbol_on_torch_without_upstream_wheel_says_build_from_source():
     r = h100_report()
     r["flash_attn"].update(imports=False, error="undefined symbol: _ZN3c10")
-    fix = {x.code: x for x in env.diagnose(r)}["flash_attn_abi"].fix
+    fix = {x.code: x for x in doctor.diagnose(r)}["flash_attn_abi"].fix
     assert "cu13torch2.11cxx11abiTRUE-cp312" in fix and "--no-build-isolation" in fix
     if sys.version_info >= (3, 11):
         assert "NOT published upstream" in fix
@@ -244,13 +248,13 @@ def test_doctor_cli_exit_codes(monkeypatch, capsys):
     bad = h100_report()
     bad["triton"]["version"] = "3.5.1"
     monkeypatch.setattr(env, "collect", lambda: copy.deepcopy(bad))
-    assert env.main(["doctor"]) == 1
+    assert cli.main(["doctor"]) == 1
     assert "torch_triton_mismatch" in capsys.readouterr().out
     monkeypatch.setattr(env, "collect", h100_report)
-    assert env.main(["doctor", "--json"]) == 0
+    assert cli.main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == []
     with pytest.raises(SystemExit):
-        env.main(["doctor", "--head-dim", "-1"])
+        cli.main(["doctor", "--head-dim", "-1"])
 
 
 # --- probes ----------------------------------------------------------------------------------------------
@@ -276,3 +280,30 @@ def test_flash_import_failure_is_recorded_not_raised(tmp_path, monkeypatch):
         assert not ok and "undefined symbol" in why
     finally:
         fw.reset_probes()
+
+
+def test_a_cell_id_is_looked_up_in_the_checkout_around_the_current_directory(tmp_path, monkeypatch):
+    root = tmp_path / "checkout"
+    (root / "requirements" / "locks").mkdir(parents=True)
+    (root / "requirements" / "matrix.toml").write_text("")
+    lock = root / "requirements" / "locks" / "cu130-torch2.11-py312.txt"
+    lock.write_text(LOCK)
+    (root / "docs").mkdir()
+    monkeypatch.chdir(root / "docs")
+    assert drift.find_lock("cu130-torch2.11-py312") == lock.resolve()
+    with pytest.raises(FileNotFoundError, match="no lock requirements/locks/cpu-torch2.13-py311.txt"):
+        drift.find_lock("cpu-torch2.13-py311")
+    assert drift.find_lock(str(lock)) == lock  # a path is taken as it is, anywhere
+    monkeypatch.chdir(tmp_path)  # not inside a checkout: an installed nsa has no locks of its own to fall back on
+    with pytest.raises(FileNotFoundError, match="not inside a checkout"):
+        drift.find_lock("cu130-torch2.11-py312")
+    with pytest.raises(FileNotFoundError, match="neither a lock file nor a cell id"):
+        drift.find_lock("requirements/locks/missing.txt")
+
+
+def test_a_lock_line_that_does_not_parse_is_an_error_naming_the_line(tmp_path, capsys, monkeypatch):
+    lock = tmp_path / "cell.txt"
+    lock.write_text(LOCK + "torch>=2.4\n")
+    monkeypatch.setattr(drift, "installed_distributions", lambda: dict(GOOD))
+    assert cli.main(["--check-lock", str(lock)]) == 2
+    assert "line 10: unparseable lock line: 'torch>=2.4'" in capsys.readouterr().err

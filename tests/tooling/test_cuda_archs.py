@@ -1,4 +1,4 @@
-"""nsa.cuda_archs: the architectures of a CUDA ELF read from its fat binaries (a synthetic .so built here),
+"""nsa_env.cuda_archs: the architectures of a CUDA ELF read from its fat binaries (a synthetic .so built here),
 and which architectures run on which GPU."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 
 import pytest
 
-from nsa import env
-from nsa.cuda_archs import FATBIN_MAGIC, KIND_PTX, KIND_SASS, fatbin_archs, runs_on
+from nsa_env import report as env
+from nsa_env.cuda_archs import FATBIN_MAGIC, KIND_PTX, KIND_SASS, fatbin_archs, runs_on
 
 
 def fatbin(entries: list[tuple[int, int, int]]) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from nsa import upstream
+from nsa_env import upstream
 
 DEFAULT_HEAD_DIMS = (128, 192)
 

@@ -1,11 +1,11 @@
-"""Reports as nsa.env.collect() makes them on other machines, for the env and doctor tests: each test
+"""Reports as nsa_env.report.collect() makes them on other machines, for the env and doctor tests: each test
 changes one fact of a healthy report to simulate a failure."""
 
 from __future__ import annotations
 
 import copy
 
-from nsa import env
+from nsa_env import report as env
 
 
 def h100_report() -> dict:

@@ -1,9 +1,9 @@
 """`nsa-env doctor`: the environment and install failures users hit, each as a check code with its fix.
 
-    python -m nsa.env doctor [--json] [--head-dim D ...] [--log FILE|-]
+    nsa-env doctor [--json] [--head-dim D ...] [--log FILE|-]
 
-Every check reads a report (nsa.env.collect(), or one made elsewhere: `diagnose(report)`), the upstream
-facts shipped with nsa (nsa/upstream.json) and optionally the log of a failed install or run (`--log`),
+Every check reads a report (nsa_env.report.collect(), or one made elsewhere: `diagnose(report)`), the
+upstream facts shipped with nsa_env (nsa_env/upstream.json) and optionally the log of a failed install or run (`--log`),
 and ends as passed, not applicable here (with the reason), or findings. A finding has a severity (error:
 this breaks now; warning: this breaks when you do the obvious next step; info: worth knowing) and a fix
 of one or two lines. docs/environments.md lists every code. Exit 1 if any finding is an error.
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nsa import upstream
-from nsa.doctor import install, runtime
-from nsa.doctor.core import DEFAULT_HEAD_DIMS, Context, Finding, NotApplicable, Outcome
+from nsa_env import upstream
+from nsa_env.doctor import install, runtime
+from nsa_env.doctor.core import DEFAULT_HEAD_DIMS, Context, Finding, NotApplicable, Outcome
 
 __all__ = ["CHECKS", "Context", "Finding", "NotApplicable", "Outcome", "diagnose", "main", "run_checks"]
 
@@ -63,6 +63,6 @@ def diagnose(report: dict[str, Any], head_dims: tuple[int, ...] = DEFAULT_HEAD_D
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nsa.doctor.cli import main as cli_main
+    from nsa_env.doctor.cli import main as cli_main
 
     return cli_main(argv)

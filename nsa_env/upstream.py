@@ -1,4 +1,4 @@
-"""Upstream facts shipped with nsa (nsa/upstream.json) and the questions `nsa.env` asks of them.
+"""Upstream facts shipped with nsa_env (nsa_env/upstream.json) and the questions `nsa-env` asks of them.
 
 The file is generated from requirements/matrix.toml (`python -m ci.matrix.facts --write`; a CPU test fails
 when it is stale), so an installed nsa answers without a checkout: the triton each torch pins, which
@@ -25,12 +25,12 @@ FACTS_FILE = "upstream.json"
 
 @cache
 def load() -> dict[str, Any]:
-    """The shipped facts (package data of nsa)."""
+    """The shipped facts (package data of nsa_env)."""
     try:
-        text = resources.files("nsa").joinpath(FACTS_FILE).read_text()
+        text = resources.files("nsa_env").joinpath(FACTS_FILE).read_text()
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"nsa/{FACTS_FILE} is missing from this installation of nsa (package data); reinstall nsa"
+            f"nsa_env/{FACTS_FILE} is missing from this installation of nsa (package data); reinstall nsa"
         ) from None
     return json.loads(text)
 

@@ -1,4 +1,4 @@
-"""nsa/upstream.json: in sync with requirements/matrix.toml, shipped in the wheel, and enough for the doctor
+"""nsa_env/upstream.json: in sync with requirements/matrix.toml, shipped in the wheel, and enough for the doctor
 outside a checkout."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 from ci import matrix as mx
 from ci.matrix import facts as doctor_facts
 from ci.matrix import tomllib  # tomli on Python 3.10
-from nsa import upstream
+from nsa_env import upstream
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_facts_match_the_matrix():
-    shipped = (ROOT / "nsa" / upstream.FACTS_FILE).read_text()
+    shipped = (ROOT / "nsa_env" / upstream.FACTS_FILE).read_text()
     assert shipped == doctor_facts.render(doctor_facts.build(mx.load())), (
-        "nsa/upstream.json is stale: run `python -m ci.matrix.facts --write` and commit it"
+        "nsa_env/upstream.json is stale: run `python -m ci.matrix.facts --write` and commit it"
     )
 
 
@@ -57,9 +57,9 @@ def test_facts_spell_out_the_flash_attn_wheels_with_the_matrix_rules():
 def test_pyproject_ships_the_facts_as_package_data():
     with (ROOT / "pyproject.toml").open("rb") as f:
         pyproject = tomllib.load(f)
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["nsa"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["nsa_env"]
     assert any(fnmatch.fnmatch(upstream.FACTS_FILE, p) for p in patterns)
-    assert "packaging" in pyproject["project"]["dependencies"]  # nsa.upstream compares versions with it
+    assert "packaging" in pyproject["project"]["dependencies"]  # nsa_env compares versions and reads locks with it
 
 
 def test_doctor_runs_from_a_built_wheel_outside_the_checkout(tmp_path):
@@ -67,22 +67,29 @@ def test_doctor_runs_from_a_built_wheel_outside_the_checkout(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "nsa", src / "nsa", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("nsa", "nsa_env"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                     "-w", str(dist), str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("nsa-*.whl")
-    assert f"nsa/{upstream.FACTS_FILE}" in zipfile.ZipFile(wheel).namelist()
+    assert f"nsa_env/{upstream.FACTS_FILE}" in zipfile.ZipFile(wheel).namelist()
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     run_env = {**os.environ, "PYTHONPATH": str(site)}
-    probe = "import nsa, nsa.upstream as u; print(nsa.__file__); print(u.triton_pin_for_torch(u.load(), '2.11.0'))"
+    probe = ("import nsa_env, nsa_env.upstream as u; print(nsa_env.__file__); "
+             "print(u.triton_pin_for_torch(u.load(), '2.11.0'))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=run_env, capture_output=True, text=True,
                          check=True, timeout=120).stdout.split()
-    assert out == [str(site / "nsa" / "__init__.py"), "3.6.0"]
-    p = subprocess.run([sys.executable, "-m", "nsa.env", "doctor", "--json"], cwd=elsewhere, env=run_env,
+    assert out == [str(site / "nsa_env" / "__init__.py"), "3.6.0"]
+    p = subprocess.run([sys.executable, "-m", "nsa_env", "doctor", "--json"], cwd=elsewhere, env=run_env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode in (0, 1), p.stderr
     assert isinstance(json.loads(p.stdout), list)
+    # An installed nsa carries no locks and looks for none beside itself: a cell id needs a checkout around
+    # the current directory, and its absence is said.
+    p = subprocess.run([sys.executable, "-m", "nsa_env", "--check-lock", "cpu-torch2.13-py311"], cwd=elsewhere,
+                       env=run_env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not inside a checkout" in p.stderr, p.stderr

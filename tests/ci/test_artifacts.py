@@ -56,7 +56,7 @@ def test_parse_junit_and_status(tmp_path):
 
 
 def test_collect_env_records_failure(tmp_path):
-    # An interpreter whose `-m nsa.env` fails: env.json holds the failure instead of the report.
+    # An interpreter whose `-m nsa_env` fails: env.json holds the failure instead of the report.
     bad = tmp_path / "python"
     bad.write_text("#!/bin/sh\necho 'ImportError: torch broke' >&2\nexit 3\n")
     bad.chmod(0o755)

@@ -1,5 +1,5 @@
 """`nox -s lock -- --outdated` (ci/matrix/outdated.py), offline: PyPI's answers are the documents recorded in
-tests/cpu/data/pypi/ (`python -m ci.matrix.outdated --record tests/cpu/data/pypi`, trimmed to what the module
+tests/ci/data/pypi/ (`python -m ci.matrix.outdated --record tests/ci/data/pypi`, trimmed to what the module
 reads); the network is blocked for every test here."""
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def test_a_drifted_run_cannot_be_known_good(tmp_path):
     assert "| passes on host environment (11 packages differ) |" in md and "**known-good**" not in md
     assert md.index("## Passes on a host environment") < md.index("passes on host environment (11")
     for check, status in [({**AS_LOCKED, "missing": 1}, "passes-on-host"), (None, "passes-on-host"),
-                          ({"error": "nsa.env failed"}, "passes-on-host"), (AS_LOCKED, "known-good")]:
+                          ({"error": "nsa-env failed"}, "passes-on-host"), (AS_LOCKED, "known-good")]:
         assert A.verdict(entry(lock_check=check))[0] == status, check
 
 

@@ -1,4 +1,4 @@
-"""`nsa-env doctor` / `python -m nsa.doctor`: run the checks on this machine and print them."""
+"""`nsa-env doctor` / `python -m nsa_env.doctor`: run the checks on this machine and print them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from nsa import env
-from nsa.doctor import run_checks
-from nsa.doctor.core import DEFAULT_HEAD_DIMS, Outcome
+from nsa_env import report
+from nsa_env.doctor import run_checks
+from nsa_env.doctor.core import DEFAULT_HEAD_DIMS, Outcome
 
 
 def _read_logs(paths: list[str]) -> str:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         log = _read_logs(args.log)
     except OSError as e:
         ap.error(f"--log: {e}")
-    outcomes = run_checks(env.collect(), dims, log)
+    outcomes = run_checks(report.collect(), dims, log)
     findings = [f for o in outcomes for f in o.findings]
     if args.json:
         print(json.dumps([asdict(x) for x in findings], indent=2))

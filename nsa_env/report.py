@@ -1,27 +1,16 @@
-"""What this environment is, what NSA can run in it, and what is wrong with it.
+"""The environment report: Python, torch/CUDA/cuDNN, GPUs, driver, triton, flash-attn, PyTorch's FA-2
+varlen, SDPA backends, the build toolchain, and each NSA backend (ok / why not).
 
-    python -m nsa.env                    # report: Python, torch/CUDA/cuDNN, GPUs, driver, triton,
-                                         # flash-attn, PyTorch's FA-2 varlen, SDPA backends, and
-                                         # each NSA backend (ok / why not)
-    python -m nsa.env --json             # the same as JSON (schema "nsa-env/1")
-    python -m nsa.env --check-lock [CELL|PATH]
-                                         # installed distributions vs a cell's lock (missing, extra, wrong
-                                         # version); exit 1 on drift. No CELL: the cell matching this torch.
-    python -m nsa.env doctor [--json] [--head-dim D ...] [--log FILE]
-                                         # common failures explained, with the fix; exit 1 if any is an error
-                                         # (nsa/doctor/)
-Also installed as the console script `nsa-env`. Works without a GPU, without triton or flash-attn (they
-are reported as not installed, with the reason) and outside a checkout (upstream facts ship as
-nsa/upstream.json). Everything is computed from a report dict, so backend_availability() and diagnose()
-can be called (and tested) on a report made elsewhere.
+Works without a GPU, without triton or flash-attn (they are reported as not installed, with the reason)
+and outside a checkout (the upstream facts ship as nsa_env/upstream.json). Everything downstream is
+computed from the report dict, so backend_availability() and the doctor's diagnose() can be called (and
+tested) on a report made elsewhere. `nsa-env` (nsa_env/cli.py) prints it.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.metadata as md
-import json
 import os
 import platform
 import re
@@ -29,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nsa import toolchain, upstream
+from nsa_env import toolchain, upstream
 
 SCHEMA = "nsa-env/1"
 BACKENDS = ("reference", "torch", "sdpa", "torch_flash", "torch_cudnn", "flash_attn", "triton_sel")
@@ -37,9 +26,6 @@ FA2_MIN_SM = 8.0
 FA2_MAX_HEAD_DIM = 256
 ADA_SM = "8.9"
 ENV_PREFIXES = ("NSA_", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
-# Not part of any lock: the installer itself and this project (installed with --no-deps after the lock).
-LOCK_IGNORED = ("pip", "nsa")
-REPO = Path(__file__).resolve().parent.parent
 
 
 # --- facts ---------------------------------------------------------------------------------------------
@@ -174,7 +160,7 @@ def _flash_archs() -> tuple[dict[str, list[str]] | None, str | None]:
     """The GPU architectures flash-attn's extension carries, read from its file (no import, no toolkit)."""
     from importlib.util import find_spec
 
-    from nsa.cuda_archs import fatbin_archs
+    from nsa_env.cuda_archs import fatbin_archs
 
     try:
         spec = find_spec("flash_attn_2_cuda")
@@ -201,7 +187,7 @@ def _sdpa_facts() -> dict[str, Any]:
 
 
 def collect() -> dict[str, Any]:
-    """The full report (see `python -m nsa.env --json`)."""
+    """The full report (see `nsa-env --json`)."""
     from nsa.kernels.fa2.torch_cudnn import torch_cudnn_status
     from nsa.kernels.flash_wrappers import torch_flash_status, torch_flash_varlen_status
 
@@ -243,7 +229,7 @@ def collect() -> dict[str, Any]:
     return report
 
 
-# --- the configuration matrix's facts (shipped as nsa/upstream.json) ---------------------------------------
+# --- the configuration matrix's facts (shipped as nsa_env/upstream.json) -----------------------------------
 
 
 def expected_triton(
@@ -252,7 +238,7 @@ def expected_triton(
     """The triton torch pins here: "3.6.0" (exact) or a range such as "~=3.8.0" (torch >= 2.14).
 
     From the installed torch's own metadata (`requires`: its Requires-Dist lines) where it names triton,
-    else (CPU builds pin none) from the matrix's record of that torch release, shipped with nsa."""
+    else (CPU builds pin none) from the matrix's record of that torch release, shipped with nsa_env."""
     if not torch_version:
         return None
     mentioned, pin = upstream.triton_pin_from_requires(md.requires("torch") if requires is None else requires)
@@ -300,7 +286,7 @@ def backend_availability(report: dict[str, Any] | None = None) -> dict[str, tupl
         out["sdpa"] = (False, f"torch {t['version']} has no scaled_dot_product_attention")
     tf = report.get("torch_flash_op") or report["torch_flash_varlen"]
     out["torch_flash"] = (bool(tf["available"]), tf["reason"])
-    cd = report.get("torch_cudnn_op") or {"available": False, "reason": "not in this report (older nsa.env)"}
+    cd = report.get("torch_cudnn_op") or {"available": False, "reason": "not in this report (made by an older nsa-env)"}
     if cd["available"] and (sm is None or sm < 9.0):
         cd = {"available": False, "reason": f"cuDNN attention is used on sm 9.0 and newer only ({where})"}
     out["torch_cudnn"] = (bool(cd["available"]), cd["reason"])
@@ -335,114 +321,7 @@ def _triton_sel(report: dict[str, Any], sm: float | None) -> tuple[bool, str]:
     return True, f"triton {tr['version']} on sm {sm}" + (" (forced)" if forced else "")
 
 
-# --- lock drift ------------------------------------------------------------------------------------------
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def parse_lock(text: str) -> dict[str, str]:
-    """name -> pinned version of a pip-tools style lock (URL wheels: the version in the file name)."""
-    out: dict[str, str] = {}
-    for line in re.sub(r"\\\n", " ", text).splitlines():
-        line = line.split(" #", 1)[0].strip()
-        if not line or line.startswith(("#", "-")):
-            continue
-        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([^\s;]+)|@\s*(\S+))", line)
-        if not m:
-            continue
-        if m.group(2):
-            out[_canonical(m.group(1))] = m.group(2)
-        else:  # name @ https://.../flash_attn-2.8.3%2Bcu12...-cp311-...whl
-            fname = m.group(3).rsplit("/", 1)[-1].replace("%2B", "+")
-            parts = fname.split("-")
-            # Upstream renames the built wheel (+cu12torch2.8...); the installed metadata says plain 2.8.3.
-            out[_canonical(m.group(1))] = parts[1].split("+")[0] if len(parts) > 1 else "?"
-    return out
-
-
-def installed_distributions() -> dict[str, str]:
-    out: dict[str, str] = {}
-    for d in md.distributions():
-        name = d.metadata["Name"]
-        if name:
-            out.setdefault(_canonical(name), d.version)  # first on sys.path wins, as for imports
-    return out
-
-
-def _same(a: str, b: str) -> bool:
-    try:
-        from packaging.version import Version
-
-        return Version(a) == Version(b)
-    except Exception:  # packaging absent or a non-PEP 440 version: compare the text  # noqa: BLE001
-        return a == b
-
-
-def check_lock(
-    lock_text: str, installed: dict[str, str], variant: str | None = None, triton_pin: str | None = None
-) -> dict[str, Any]:
-    """Compare installed distributions with a lock. `variant` (cpu, cu130) accepts a local label that
-    names the same build: the lock's torch 2.11.0 (PyPI's CUDA 13.0 build) is installed 2.11.0+cu130
-    from PyTorch's index, and a URL wheel's +cu12torch2.8... label is not in the installed version.
-    `triton_pin` (expected_triton(): "3.6.0" or a range such as "~=3.8.0"): an installed triton outside
-    torch's pin is drift too, whatever the lock says."""
-    locked = parse_lock(lock_text)
-    result: dict[str, Any] = {
-        "missing": [],
-        "extra": [],
-        "wrong_version": [],
-        "local_label": [],
-        "ignored": [],
-        "matching": 0,
-    }
-    for name, want in sorted(locked.items()):
-        have = installed.get(name)
-        if have is None:
-            result["missing"].append({"name": name, "locked": want})
-        elif _same(have, want):
-            result["matching"] += 1
-        else:
-            pub_have, _, label_have = have.partition("+")
-            pub_want, _, label_want = want.partition("+")
-            same_build = _same(pub_have, pub_want) and (
-                not label_have or label_have == variant or (label_want and not label_have)
-            )
-            entry = {"name": name, "locked": want, "installed": have}
-            result["local_label" if same_build else "wrong_version"].append(entry)
-    for name, have in sorted(installed.items()):
-        if name in locked:
-            continue
-        (result["ignored"] if name in LOCK_IGNORED else result["extra"]).append(
-            {"name": name, "installed": have}
-        )
-    have_triton = installed.get("triton")
-    result["torch_triton"] = None
-    if triton_pin and have_triton and not upstream.pin_matches(have_triton, triton_pin):
-        result["torch_triton"] = {"torch": installed.get("torch"), "triton": have_triton, "torch_pins": triton_pin}
-    result["drift"] = bool(result["missing"] or result["extra"] or result["wrong_version"] or result["torch_triton"])
-    return result
-
-
-def find_lock(cell_or_path: str) -> Path:
-    p = Path(cell_or_path)
-    if p.suffix == ".txt" and p.exists():
-        return p
-    for base in (Path.cwd(), REPO):
-        cand = base / "requirements" / "locks" / f"{cell_or_path}.txt"
-        if cand.exists():
-            return cand
-    raise FileNotFoundError(
-        f"--check-lock: no lock for {cell_or_path!r} (looked for requirements/locks/{cell_or_path}.txt "
-        f"under {Path.cwd()} and {REPO}); pass a cell id of requirements/matrix.toml or a lock path"
-    )
-
-
-# --- CLI -------------------------------------------------------------------------------------------------
-
-
-def _print_report(r: dict[str, Any]) -> None:
+def print_report(r: dict[str, Any]) -> None:
     t, tr, fa = r["torch"], r["triton"], r["flash_attn"]
 
     def line(key: str, value: Any) -> None:
@@ -489,87 +368,3 @@ def _print_report(r: dict[str, Any]) -> None:
         print("Environment variables")
         for k, v in r["env"].items():
             line(k, v)
-
-
-def _print_drift(lock: Path, res: dict[str, Any]) -> None:
-    print(f"lock {lock}: {res['matching']} matching")
-    for title, key in (
-        ("version drift", "wrong_version"),
-        ("missing (in the lock, not installed)", "missing"),
-        ("extra (installed, not in the lock)", "extra"),
-        ("same release, other local label (not drift)", "local_label"),
-    ):
-        if res[key]:
-            print(f"{title}: {len(res[key])}")
-            for e in res[key]:
-                print(
-                    f"  {e['name']:28} locked {e.get('locked', '-'):16} installed {e.get('installed', '-')}"
-                )
-    if res.get("torch_triton"):
-        tt = res["torch_triton"]
-        pin = upstream.pin_specifier(tt["torch_pins"])
-        print(f"torch/triton mismatch: triton {tt['triton']} is outside torch {tt['torch']}'s pin triton{pin}")
-    print("DRIFT" if res["drift"] else "no drift")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:
-        from nsa import doctor
-
-        return doctor.main(argv[1:])
-    ap = argparse.ArgumentParser(
-        prog="nsa-env",
-        description=__doc__.split("\n\n")[0],
-        epilog="Subcommand: `nsa-env doctor [--json] [--head-dim D] [--log FILE]`.",
-    )
-    ap.add_argument("--json", action="store_true", help="print the report (or the drift) as JSON")
-    ap.add_argument(
-        "--check-lock",
-        nargs="?",
-        const="auto",
-        metavar="CELL",
-        help="compare installed packages with requirements/locks/CELL.txt (or a lock path); "
-        "without CELL, the cell matching this torch and Python",
-    )
-    args = ap.parse_args(argv)
-    report = collect()
-    if args.check_lock is None:
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            _print_report(report)
-        return 0
-    cell = report["cell"] if args.check_lock == "auto" else args.check_lock
-    if not cell:
-        ap.error("--check-lock: torch is not installed, so no cell can be guessed; name one")
-    try:
-        lock = find_lock(cell)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    variant = cell.split("-", 1)[0] if re.match(r"^(cpu|cu\d+)-", cell) else None
-    installed = installed_distributions()
-    # The pin of the torch in that set: its metadata when it is the torch this process sees, else the facts.
-    torch_installed = installed.get("torch")
-    pin = (report["torch"]["expected_triton"] if torch_installed == report["torch"]["version"]
-           else expected_triton(torch_installed, requires=[]))
-    res = check_lock(lock.read_text(), installed, variant, pin)
-    if args.json:
-        print(json.dumps({"lock": str(lock), "cell": cell, **res}, indent=2))
-    else:
-        _print_drift(lock, res)
-    return 1 if res["drift"] else 0
-
-
-def __getattr__(name: str) -> Any:
-    """diagnose() and Finding live in nsa.doctor; nsa.env.diagnose keeps working."""
-    if name in ("diagnose", "Finding"):
-        from nsa import doctor
-
-        return getattr(doctor, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from nsa import env, upstream
-from nsa.cuda_archs import runs_on
-from nsa.doctor.core import GLIBC_MISSING, Context, Finding, NotApplicable, major_minor, older
+from nsa_env import report, upstream
+from nsa_env.cuda_archs import runs_on
+from nsa_env.doctor.core import GLIBC_MISSING, Context, Finding, NotApplicable, major_minor, older
 
 
 def check_torch(ctx: Context) -> list[Finding]:
@@ -71,7 +71,7 @@ def check_flash_import(ctx: Context) -> list[Finding]:
 
 
 def check_fa2_sm(ctx: Context) -> list[Finding]:
-    old = [g for g in ctx.gpus if float(g["sm"]) < env.FA2_MIN_SM]
+    old = [g for g in ctx.gpus if float(g["sm"]) < report.FA2_MIN_SM]
     if not ctx.gpus:
         raise NotApplicable("no CUDA GPU visible")
     if not old:
@@ -86,9 +86,9 @@ def check_fa2_sm(ctx: Context) -> list[Finding]:
 def check_head_dims(ctx: Context) -> list[Finding]:
     out = []
     for d in ctx.head_dims:
-        if d > env.FA2_MAX_HEAD_DIM:
+        if d > report.FA2_MAX_HEAD_DIM:
             out.append(Finding("fa2_head_dim", "warning",
-                               f"head dim {d} > {env.FA2_MAX_HEAD_DIM}: FlashAttention-2 (flash-attn and torch's "
+                               f"head dim {d} > {report.FA2_MAX_HEAD_DIM}: FlashAttention-2 (flash-attn and torch's "
                                "varlen_attn) does not support it.",
                                "Use head dims <= 256; NSA uses the sdpa/torch backends for larger ones."))
         elif d % 8:
@@ -143,7 +143,7 @@ def check_no_gpu(ctx: Context) -> list[Finding]:
 
 
 def check_ada(ctx: Context) -> list[Finding]:
-    ada = [g for g in ctx.gpus if g["sm"] == env.ADA_SM]
+    ada = [g for g in ctx.gpus if g["sm"] == report.ADA_SM]
     if not ada:
         raise NotApplicable("no Ada GPU (sm 8.9)")
     if ctx.report.get("env", {}).get("NSA_TRITON_SEL_FORCE") == "1":
@@ -181,7 +181,7 @@ def check_no_kernel_image(ctx: Context) -> list[Finding]:
                                f"{sm}: CUDA ops fail with 'no kernel image is available for execution on the device'.",
                                f"Install a torch built for sm {sm} ({_cuda_for_sm(ctx.facts, sm)}; "
                                "docs/environments.md lists the cells and their gpu_archs)."))
-        elif fa_archs and float(sm) >= env.FA2_MIN_SM and not runs_on(fa_archs["sass"] + fa_archs["ptx"], sm):
+        elif fa_archs and float(sm) >= report.FA2_MIN_SM and not runs_on(fa_archs["sass"] + fa_archs["ptx"], sm):
             out.append(Finding("no_kernel_image", "error",
                                f"flash-attn {fa.get('version')} carries kernels for "
                                f"{' '.join(fa_archs['sass'] + fa_archs['ptx'])}; {g['name']} is sm {sm}: its calls "

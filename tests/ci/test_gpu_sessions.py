@@ -82,7 +82,7 @@ def two_gpus(python, env=None):
 
 @pytest.fixture
 def host(tmp_path, monkeypatch):
-    """A GPU host at the cell's lock, seen through its interpreter: `-m nsa.env --json` and `--check-lock`
+    """A GPU host at the cell's lock, seen through its interpreter: `-m nsa_env --json` and `--check-lock`
     answer for it, everything else is this interpreter. Returns (python, env) for S.main; git says CLEAN."""
     report = {"schema": "nsa-env/1", "host": "gpuhost", "cell": CELL, "gpus": [{"name": "NVIDIA H200"}] * 2,
               "torch": {"version": "2.11.0+cu130", "cuda": "13.0"}, "driver": {"version": "580.65"}}
@@ -91,7 +91,7 @@ def host(tmp_path, monkeypatch):
     py = tmp_path / "python"
     py.write_text(f"""#!/bin/sh
 case "$*" in
-  *"nsa.env --json"*) cat '{tmp_path}/report.json' ;;
+  *"nsa_env --json"*) cat '{tmp_path}/report.json' ;;
   *"--check-lock"*) cat '{tmp_path}/check.json' ;;
   *) exec '{sys.executable}' "$@" ;;
 esac
@@ -179,7 +179,7 @@ def test_a_failed_step_beside_the_tests_fails_the_suite(host, tmp_path, monkeypa
 def test_the_environment_is_probed_once_per_run(host, tmp_path):
     python, _ = host
     count = f"echo >> '{tmp_path}/n'; cat"
-    script = Path(python).read_text().replace('*"nsa.env --json"*) cat', f'*"nsa.env --json"*) {count}')
+    script = Path(python).read_text().replace('*"nsa_env --json"*) cat', f'*"nsa_env --json"*) {count}')
     Path(python).write_text(script)
     invoke(host, tmp_path)
     assert (tmp_path / "n").read_text().count("\n") == 1  # three sessions, one report
@@ -385,7 +385,7 @@ def test_the_lock_check_expects_the_flash_attn_pin_where_flash_attn_is_installed
     cell = "cu130-torch2.12-py312"
     assert S.expected_set(cell, {"flash_attn": {"installed": False}}, tmp_path) == cell
     name = S.expected_set(cell, {"flash_attn": {"installed": True}}, tmp_path)
-    assert name == f"{cell}.expected.txt"  # starts with the cell: nsa.env reads the build variant from it
+    assert name == f"{cell}.expected.txt"  # starts with the cell: nsa-env reads the build variant from it
     text = (tmp_path / name).read_text()
     assert "torch==2.12.1" in text and "flash-attn==2.8.3.post2" in text
     assert S.expected_set("cu130-torch2.14-py312", {"flash_attn": {"installed": True}}, tmp_path) == \

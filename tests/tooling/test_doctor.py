@@ -1,4 +1,4 @@
-"""nsa.doctor: each check code under a simulated failure (a report changed in one fact, or the log of a
+"""nsa_env.doctor: each check code under a simulated failure (a report changed in one fact, or the log of a
 failed install), and passing on the healthy machine it was changed from. No GPU, no network."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nsa import doctor, env, upstream
+from nsa_env import cli, doctor, drift, upstream
+from nsa_env import report as env
 
 from .env_reports import cpu_report, gpu_machine_report, h100_report, torch28_report
 
@@ -371,10 +372,10 @@ LOCK_2_14 = "torch==2.14.0 \\\n    --hash=sha256:{a}\ntriton==3.9.0 \\\n    --ha
 
 
 def test_check_lock_flags_a_triton_outside_torchs_range_as_drift():
-    res = env.check_lock(LOCK_2_14, {"torch": "2.14.0", "triton": "3.9.0"}, "cu130", triton_pin="~=3.8.0")
+    res = drift.check_lock(LOCK_2_14, {"torch": "2.14.0", "triton": "3.9.0"}, "cu130", triton_pin="~=3.8.0")
     assert not res["wrong_version"] and res["drift"]
     assert res["torch_triton"] == {"torch": "2.14.0", "triton": "3.9.0", "torch_pins": "~=3.8.0"}
-    ok = env.check_lock(LOCK_2_14.replace("3.9.0", "3.8.1"), {"torch": "2.14.0", "triton": "3.8.1"}, "cu130",
+    ok = drift.check_lock(LOCK_2_14.replace("3.9.0", "3.8.1"), {"torch": "2.14.0", "triton": "3.8.1"}, "cu130",
                         triton_pin="~=3.8.0")
     assert not ok["drift"] and ok["torch_triton"] is None
 
@@ -382,8 +383,8 @@ def test_check_lock_flags_a_triton_outside_torchs_range_as_drift():
 def test_check_lock_cli_uses_the_facts_pin_of_the_locked_torch(tmp_path, monkeypatch, capsys):
     lock = tmp_path / "cell.txt"
     lock.write_text(LOCK_2_14.replace("torch==2.14.0", "torch==2.11.0"))
-    monkeypatch.setattr(env, "installed_distributions", lambda: {"torch": "2.11.0", "triton": "3.9.0"})
-    assert env.main(["--check-lock", str(lock)]) == 1
+    monkeypatch.setattr(drift, "installed_distributions", lambda: {"torch": "2.11.0", "triton": "3.9.0"})
+    assert cli.main(["--check-lock", str(lock)]) == 1
     assert "triton 3.9.0 is outside torch 2.11.0's pin triton==3.6.0" in capsys.readouterr().out
 
 
@@ -394,7 +395,7 @@ def test_cli_explains_a_log_from_a_file_and_from_stdin(tmp_path, monkeypatch, ca
     monkeypatch.setattr(env, "collect", torch28_report)
     log = tmp_path / "pip.log"
     log.write_text(PIP_ISOLATION_LOG)
-    assert env.main(["doctor", "--log", str(log)]) == 1
+    assert cli.main(["doctor", "--log", str(log)]) == 1
     out = capsys.readouterr().out
     assert "[ERROR] build_isolation" in out and "doctor: 1 error(s)" in out
     monkeypatch.setattr("sys.stdin", io.StringIO("Precompiled wheel not found. Building from source..."))
@@ -406,14 +407,8 @@ def test_cli_explains_a_log_from_a_file_and_from_stdin(tmp_path, monkeypatch, ca
 
 def test_cli_lists_passed_and_not_applicable_checks(monkeypatch, capsys):
     monkeypatch.setattr(env, "collect", h100_report)  # a report without the toolchain facts (older nsa)
-    assert env.main(["doctor"]) == 0
+    assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^passed: torch_missing, torch_triton_mismatch", out, re.M)
     assert re.search(r"^  build_oom_risk +no toolchain facts in this report", out, re.M)
     assert "doctor: nothing wrong found" in out
-
-
-def test_env_diagnose_is_the_doctors():
-    assert env.diagnose is doctor.diagnose and env.Finding is doctor.Finding
-    with pytest.raises(AttributeError):
-        env.no_such_name  # noqa: B018

@@ -68,7 +68,7 @@ def test_readme_blocks_are_the_quick_start_and_the_library_install():
     ]
     install = Q.readme_commands("Install the library for use")
     assert any("--extra-index-url https://download.pytorch.org/whl/cpu" in c for c in install)
-    assert any("nsa.env --check-lock" in c for c in install)
+    assert any("nsa_env --check-lock" in c for c in install)
     assert "import torch" in Q.readme_blocks("Using it", "python")[0]
 
 

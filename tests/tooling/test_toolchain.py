@@ -1,4 +1,4 @@
-"""nsa.toolchain: the facts the doctor's install checks read, looked up as their consumers look them up
+"""nsa_env.toolchain: the facts the doctor's install checks read, looked up as their consumers look them up
 (simulated with environment variables and files in a temporary folder)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from nsa import toolchain
+from nsa_env import toolchain
 
 
 def fake_nvcc(root, release: str, headers: bool):

@@ -103,8 +103,9 @@ def images(session: nox.Session) -> None:
 # --- GPU suites (ci/sessions/gpu.py; docs/gpu-suites.md) -------------------------------------------------
 # One session definition for the four suites. Each fails on a machine with no GPU unless `-- --skip-no-gpu`
 # (or NSA_SKIP_NO_GPU=1) and writes artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json,
-# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench: all three, in one
-# invocation (one NSA_RUN_ID), and each within its time limit, are what a known-good run needs.
+# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward, bench and sanitizer (below);
+# the first three, in one invocation (one NSA_RUN_ID), and each within its time limit, are what a known-good
+# run needs.
 GPU_SUITES = {
     "gpu_parity": "GPU parity: FA-2 cmp/win, Triton selection (when present), decode vs prefill, torch vs fp64 oracle.",
     "backward": "Gradient parity, fp64 gradcheck on CUDA, and the tiny model's training smoke (loss must fall).",
@@ -125,6 +126,20 @@ def _gpu_session(suite: str, doc: str) -> None:
 
 for _suite, _doc in GPU_SUITES.items():
     _gpu_session(_suite, _doc)
+
+
+@nox.session(tags=["gpu"])
+def sanitizer(session: nox.Session) -> None:
+    """compute-sanitizer memcheck over the GPU edge sweeps (tests/sanitizer/: the fused pipeline, the FA-2
+    branches, the Triton selection kernel, the decode kernels): fails on any memcheck error, and on a machine
+    without a CUDA GPU or compute-sanitizer unless `-- --skip-no-gpu` (or NSA_SKIP_NO_GPU=1). Other args go
+    to pytest (`-- -k decode`)."""
+    install_cell(session, flash_attn=True)  # the FA-2 sweep runs flash-attn where the cell has it
+    args = list(session.posargs)
+    skip = "--skip-no-gpu" in args or os.environ.get("NSA_SKIP_NO_GPU") == "1"
+    args = [a for a in args if a != "--skip-no-gpu"]
+    session.run("python", "-m", "pytest", "tests/sanitizer", "-q", "-p", "no:cacheprovider", *args,
+                env={"NSA_REQUIRE_SANITIZER": "0" if skip else "1"})
 
 
 @nox.session(venv_backend="none")

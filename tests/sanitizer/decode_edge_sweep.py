@@ -1,6 +1,7 @@
-"""Edge sweep of the Triton decode step for compute-sanitizer (memcheck); run by bench/gpu_decode_run.sh.
+"""Edge sweep of the Triton decode step for compute-sanitizer (memcheck); run by tests/sanitizer/test_memcheck.py
+(`nox -s sanitizer`), by hand:
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/decode_edge_sweep.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/sanitizer/decode_edge_sweep.py
 
 B in {1, 3, 8}, cache lengths S in {1, l-1, l, 4097} (l = block_cmp) and ragged lengths (empty sequences,
 lengths on both sides of l and of a selection block), a cache filled to exactly max_len by the last step,
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: decode_cases
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: decode_cases
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the checkout: nsa
 
 from decode_cases import decode_rows, make_case, prefill_cache  # noqa: E402
 

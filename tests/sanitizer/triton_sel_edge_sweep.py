@@ -3,9 +3,9 @@
 the block, blocks shorter and longer than the kernel tile, G in {1, 3, 16, 64}, Dk != Dv up to 256, packed
 input with empty and length-1 sequences, -1 padded, empty and repeated index rows, and chunks of a few
 queries so that most blocks take the partials path. Exit 0 when every output and gradient is finite; the
-sanitizer reports memory errors. Run by bench/gpu_triton_run.sh:
+sanitizer reports memory errors. Run by tests/sanitizer/test_memcheck.py (`nox -s sanitizer`), by hand:
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python bench/triton_sel_edge_sweep.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/sanitizer/triton_sel_edge_sweep.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: nsa
 
 from nsa.kernels.triton import selection_bwd  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402

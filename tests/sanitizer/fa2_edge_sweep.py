@@ -1,6 +1,7 @@
 """Edge-shape sweep of the FA-2 providers for compute-sanitizer (memcheck): forward and backward of the
 cmp and win branches on tiny and odd shapes, dense and varlen (empty sequences). Exit 0 when every call
-returned finite values; the sanitizer reports memory errors. Run by bench/gpu_fa2_run.sh."""
+returned finite values; the sanitizer reports memory errors. Run by tests/sanitizer/test_memcheck.py
+(`nox -s sanitizer`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: nsa
 os.environ.setdefault("NSA_FA2_MIN_LEN_WIN", "1")
 os.environ.setdefault("NSA_FA2_MIN_LEN_CMP", "1")
 

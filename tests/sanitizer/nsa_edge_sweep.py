@@ -1,6 +1,7 @@
-"""Edge shapes of the fused GPU pipeline, forward and backward, for `compute-sanitizer --tool memcheck`.
+"""Edge shapes of the fused GPU pipeline, forward and backward, for `compute-sanitizer --tool memcheck`; run by
+tests/sanitizer/test_memcheck.py (`nox -s sanitizer`), by hand:
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python bench/nsa_edge_sweep.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitizer/nsa_edge_sweep.py
 
 Every shape the GPU tests use at its edges: T in {1, l-1, l, 65, 1000, 4097}, G in {1, 2, 4, 8, 16, 32},
 (Dk, Dv) in {(64,64), (128,128), (192,128), (256,256)}, packed input with empty and length-1 sequences,
@@ -16,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: nsa
 os.environ.setdefault("NSA_FA2_MIN_LEN_WIN", "1")
 os.environ.setdefault("NSA_FA2_MIN_LEN_CMP", "1")
 

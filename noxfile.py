@@ -59,12 +59,15 @@ def lock(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """Offline checks: actionlint (+shellcheck), workflow JSON schema, zizmor, hadolint, yamllint, ruff and
-    the project's workflow policy (ci/lint.py), then the self-tests that seed bad workflows. Tools come
-    from the hash-pinned requirements/locks/lint.txt. `-- --only zizmor,policy` runs a subset."""
+    the project's workflow policy (ci/lint.py); the import contracts of pyproject's [tool.importlinter]
+    (lint-imports: nsa imports no tooling, ci or bench code; the layers of nsa_env and ci); then the
+    self-tests that seed bad workflows. Tools come from the hash-pinned requirements/locks/lint.txt.
+    `-- --only zizmor,policy` runs a subset of ci/lint.py's checks (and nothing else)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
     session.run("python", "ci/lint.py", *session.posargs)
     if not session.posargs:
+        session.run("lint-imports", "--no-cache")
         # --noconftest/-o addopts: the lint venv has no torch; these tests need none.
         session.run(
             "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts=",

@@ -61,7 +61,8 @@ def lint(session: nox.Session) -> None:
     """Offline checks: actionlint (+shellcheck), workflow JSON schema, zizmor, hadolint, yamllint, ruff and
     the project's workflow policy (ci/lint.py); the import contracts of pyproject's [tool.importlinter]
     (lint-imports: nsa imports no tooling, ci or bench code; the layers of nsa_env and ci); then the
-    self-tests that seed bad workflows. Tools come from the hash-pinned requirements/locks/lint.txt.
+    self-tests that seed bad workflows and forbidden imports. Tools come from the hash-pinned
+    requirements/locks/lint.txt.
     `-- --only zizmor,policy` runs a subset of ci/lint.py's checks (and nothing else)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
@@ -71,7 +72,7 @@ def lint(session: nox.Session) -> None:
         # --noconftest/-o addopts: the lint venv has no torch; these tests need none.
         session.run(
             "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts=",
-            "tests/ci/test_workflows.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
+            "tests/ci/test_workflows.py", "tests/ci/test_ci_layout.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
         )
 
 

@@ -4,7 +4,10 @@ only on the path that imports it first), and few enough lines to read in one sit
 from __future__ import annotations
 
 import ast
+import os
 import shutil
+import subprocess
+import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -107,3 +110,38 @@ def test_the_size_report_names_the_biggest_files(tmp_path):
     assert size_report(tmp_path, 36) == ""
     assert size_report(tmp_path, 35) == "ci/ has 35 lines, not under 35; biggest files: ci/big.py (30), " \
                                         "ci/sub/small.toml (5)"
+
+
+def lint_imports() -> str:
+    """The lint-imports command of import-linter (requirements/locks/lint.txt; `nox -s lint` runs this module)."""
+    exe = shutil.which("lint-imports") or shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if exe is None:
+        if os.environ.get("NSA_REQUIRE_LINT_TOOLS") == "1":
+            pytest.fail("lint-imports not installed (requirements/locks/lint.txt)")
+        pytest.skip("lint-imports not installed here (run `nox -s lint`)")
+    return exe
+
+
+@pytest.mark.parametrize("file, line, contract", [
+    ("nsa/config.py", "import ci.matrix", "nsa (the library) imports neither"),
+    ("nsa/config.py", "from bench import bench_nsa", "nsa (the library) imports neither"),
+    ("nsa/config.py", "from nsa_env import report", "nsa (the library) imports neither"),
+    ("nsa_env/drift.py", "import ci.locks", "nsa_env ships in the wheel"),
+    ("nsa_env/report.py", "from nsa_env import doctor", "nsa_env: the command line over the doctor"),
+    ("ci/matrix/facts.py", "from ci.locks import lock_path", "ci: sessions over evidence"),
+])
+def test_the_import_contracts_hold_and_catch_a_seeded_import(tmp_path, file, line, contract):
+    exe = lint_imports()
+    for name in ("nsa", "nsa_env", "ci"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    run = lambda: subprocess.run([exe, "--no-cache"], cwd=tmp_path, capture_output=True, text=True,  # noqa: E731
+                                 timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    clean = run()
+    assert clean.returncode == 0, clean.stdout[-3000:]
+    with (tmp_path / file).open("a") as f:
+        f.write(f"\n\ndef _seeded():\n    {line}  # noqa\n")
+    seeded = run()
+    assert seeded.returncode == 1 and "BROKEN" in seeded.stdout, seeded.stdout[-3000:]
+    broken = seeded.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken.replace("\n", " "), broken

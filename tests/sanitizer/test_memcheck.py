@@ -112,11 +112,13 @@ def test_sweep_is_memcheck_clean(sanitizer, name, tmp_path):
 
 
 @pytest.mark.parametrize("rc, output, expect", [
-    (0, "ok\n========= ERROR SUMMARY: 0 errors\n", ""),
-    (86, "========= Invalid __global__ read of size 4\n========= ERROR SUMMARY: 3 errors\n", "found 3 error(s)"),
-    (0, "========= ERROR SUMMARY: 1 error\n", "found 1 error(s)"),
-    (1, "nsa edge sweep: 2 bad case(s)\n========= ERROR SUMMARY: 0 errors\n", "failed by itself (exit 1)"),
-    (-1, "lengths=None ...\ntimed out after 150 s", "did not finish"),
+    pytest.param(0, "ok\n========= ERROR SUMMARY: 0 errors\n", "", id="clean"),
+    pytest.param(86, "========= Invalid __global__ read of size 4\n========= ERROR SUMMARY: 3 errors\n",
+                 "found 3 error(s)", id="memcheck-errors"),
+    pytest.param(0, "========= ERROR SUMMARY: 1 error\n", "found 1 error(s)", id="one-error-exit-0"),
+    pytest.param(1, "nsa edge sweep: 2 bad case(s)\n========= ERROR SUMMARY: 0 errors\n",
+                 "failed by itself (exit 1)", id="sweep-failed"),
+    pytest.param(-1, "lengths=None ...\ntimed out after 150 s", "did not finish", id="cut-short"),
 ])
 def test_the_verdict_fails_on_each_kind_of_failure(rc, output, expect):
     got = verdict(rc, output)

@@ -26,3 +26,14 @@ def gen(request) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    """requirements/matrix.toml as parsed TOML (tests deep-copy it before editing): the tests of ci/ and of the
+    environment tooling."""
+    from ci import matrix as mx
+    from ci.matrix import tomllib
+
+    with mx.DEFAULT_PATH.open("rb") as f:
+        return tomllib.load(f)

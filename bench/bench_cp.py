@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--weak-T", default="65536", help="tokens per rank for weak scaling ('' = none)")
     p.add_argument("--shapes", default="D128,Dk192Dv128")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag"))
+    p.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag"),
+                   help="how the stream is split (zigzag balances the compressed branch's causal cost)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--impls", default="nsa_cp,dense_cp,dense_ring", help="which implementations to time")

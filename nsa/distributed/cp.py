@@ -152,7 +152,9 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
     total = sum(lengths)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, Shapes(local.B, total, local.Hq, local.Hkv, local.Dk, local.Dv), q.device)
-    telemetry.record("cp", "torch", "forced" if backend == "torch" else "ok", layout=layout)
+    # On a GPU, "auto" would pick the fused kernels, which take no query offset yet: a counted fallback.
+    reason = "forced" if backend == "torch" else ("no fused kernels at a query offset" if q.is_cuda else "ok")
+    telemetry.record("cp", "torch", reason, layout=layout)
 
     if local.T == 0:
         raise NSAInputError(f"with cp_group every rank must hold at least one token, got lengths {lengths}")

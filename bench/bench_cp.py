@@ -84,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--gloo-one-gpu", action="store_true",
                    help="every rank on cuda:0 over gloo (correctness on one GPU; K/V staged through the host)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and blocks on CPU over gloo")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="start no new case after this many seconds (its rows say 'skipped: time budget')")
     return p.parse_args(argv)
 
 
@@ -229,9 +231,15 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
     rows = []
     base = {"mode": mode, "shape": shape_name, "world": W, "layout": spec.layout, "T_total": T_total,
             "T_local": T_total // W, "Hq": shape[0], "Hkv": shape[1], "Dk": shape[2], "Dv": shape[3]}
-    local, full = make_local(T_total, shape, dtype, device, spec)
-    del full
-    leaves = [x.requires_grad_() for x in local]
+    # Timing needs no common stream: each rank draws its own slice (the whole stream on every rank would
+    # cost T_total * Hq * Dk elements per rank, 6 GB at 256k tokens).
+    Hq, Hkv, Dk, Dv = shape
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    T_local = T_total // W
+    leaves = [torch.randn(1, T_local, h, d, generator=gen, device=device, dtype=dtype).requires_grad_()
+              for h, d in ((Hq, Dk), (Hkv, Dk), (Hkv, Dv))]
+    leaves.append(torch.rand(1, T_local, Hq, 3, generator=gen, device=device, dtype=dtype).requires_grad_())
+    local = leaves
     dout = torch.randn_like(local[0][..., : shape[3]])
 
     def nsa_fwd():
@@ -341,6 +349,14 @@ def single_row(args, device, cfg, base, shape, T_total, dtype):
     return row
 
 
+def over_budget(started: float, budget_s: float, device) -> bool:
+    """Whether the slowest rank has run past the budget (every rank gets the same answer)."""
+    t = torch.tensor([time.perf_counter() - started], dtype=torch.float64,
+                     device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t) > budget_s
+
+
 def local_timed(fn, args, device):
     for _ in range(args.warmup):
         fn()
@@ -405,6 +421,7 @@ def summarize(out: Path):
 
 def main(argv=None):
     args = parse_args(argv)
+    started = time.perf_counter()
     device, backend = setup(args)
     W, rank = dist.get_world_size(), dist.get_rank()
     spec = ContextParallel(dist.group.WORLD, layout=args.layout)
@@ -431,13 +448,16 @@ def main(argv=None):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cuda", (W,))
-        for name, shape in shapes.items():
-            for T in strong:
-                rows += run_case(args, device, cfg, spec, "strong", name, shape, T - T % (2 * W), dtype, impls, mesh)
-            for t in weak:
-                rows += run_case(args, device, cfg, spec, "weak", name, shape, t * W, dtype, impls, mesh)
+        cases = [(name, shape, "strong", T - T % (2 * W)) for name, shape in shapes.items() for T in strong]
+        cases += [(name, shape, "weak", t * W) for name, shape in shapes.items() for t in weak]
+        for name, shape, mode, T in cases:
+            if over_budget(started, args.budget_s, device):
+                rows.append({"mode": mode, "impl": "all", "shape": name, "world": W, "layout": args.layout,
+                             "T_total": T, "T_local": T // W, "status": "skipped: time budget"})
+                continue
+            rows += run_case(args, device, cfg, spec, mode, name, shape, T, dtype, impls, mesh)
             if rank == 0:
-                for r in rows:
+                for r in rows[-4:]:
                     print({k: r.get(k) for k in ("mode", "impl", "shape", "world", "T_total", "fwd_ms", "bwd_ms",
                                                  "peak_mib_max", "status")}, flush=True)
     meta["telemetry"] = telemetry.snapshot()

@@ -104,8 +104,11 @@ def positions(cp_group, local_len: int, device, cu_seqlens=None) -> torch.Tensor
     """Stream positions [T_local] of this rank's tokens, or with cu_seqlens each token's position within
     its sequence (what RoPE needs). One small collective (the ranks' lengths)."""
     group, layout = resolve(cp_group)
-    lengths = [n for (n,) in all_gather_ints([local_len], group, device)]
-    segs = pieces_of(layout, lengths)[0][dist.get_rank(group)]
+    if dist.get_world_size(group) == 1:  # no collective (and no host sync) for a group of one
+        segs = [(0, local_len)]
+    else:
+        lengths = [n for (n,) in all_gather_ints([local_len], group, device)]
+        segs = pieces_of(layout, lengths)[0][dist.get_rank(group)]
     tok = torch.cat([torch.arange(s, s + n, device=device) for s, n in segs])
     if cu_seqlens is None:
         return tok

@@ -161,6 +161,9 @@ def _module_worker(rank, world, port, outdir):
         y.sum().backward()
         grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
         torch.save({"y": y.detach(), "grads": grads}, os.path.join(outdir, f"mod.{rank}"))
+        singles = [dist.new_group([r]) for r in range(world)]
+        with torch.no_grad():  # a group of one rank: the plain layer, bitwise
+            assert torch.equal(mod(x, cu_seqlens=cu, cp_group=singles[rank]), mod(x, cu_seqlens=cu))
         with pytest.raises(NSAInputError, match="without a cache"):
             mod(x[:, :8], cache=mod.new_cache(1, 16), cp_group=mesh)
         with pytest.raises(NSAInputError, match="backend must be one of"):

@@ -147,10 +147,15 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
         raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
     rank = dist.get_rank(group)
-    info = all_gather_ints([local.B, local.T], group, q.device)
-    if any(b != local.B for b, _ in info):
-        raise NSAInputError(f"every rank must pass the same batch size B, got {[b for b, _ in info]}")
-    lengths = [t for _, t in info]
+    # Every rank sees every rank's sizes, so a mismatch raises the same error on all of them (rather than
+    # leaving the others waiting in a collective).
+    info = all_gather_ints([local.T, local.B, local.Hq, local.Hkv, local.Dk, local.Dv], group, q.device)
+    if any(row[1:] != info[0][1:] for row in info):
+        raise NSAInputError("every rank must pass the same B, Hq, Hkv, Dk, Dv; got "
+                            f"{[tuple(row[1:]) for row in info]} per rank")
+    lengths = [row[0] for row in info]
+    if 0 in lengths:
+        raise NSAInputError(f"with cp_group every rank must hold at least one token, got lengths {lengths}")
     segs, pieces = pieces_of(layout, lengths)
     total = sum(lengths)
     if cu_seqlens is not None:
@@ -159,8 +164,6 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
     reason = "forced" if backend == "torch" else ("no fused kernels at a query offset" if q.is_cuda else "ok")
     telemetry.record("cp", "torch", reason, layout=layout)
 
-    if local.T == 0:
-        raise NSAInputError(f"with cp_group every rank must hold at least one token, got lengths {lengths}")
     srcs = [k, v] + list(kv_cmp or ()) + list(kv_win or ())
     whole = gather_kv(srcs, group, max(lengths), pieces)
     kf, vf = whole[0], whole[1]

@@ -166,6 +166,10 @@ def _module_worker(rank, world, port, outdir):
             assert torch.equal(mod(x, cu_seqlens=cu, cp_group=singles[rank]), mod(x, cu_seqlens=cu))
         with pytest.raises(NSAInputError, match="without a cache"):
             mod(x[:, :8], cache=mod.new_cache(1, 16), cp_group=mesh)
+        # A rank with no token: every rank raises (none is left waiting in a collective).
+        with pytest.raises(NSAInputError, match="at least one token"):
+            nsa_attention(*make_inputs(torch.Generator(), 1, 8 if rank == 0 else 0, H_Q, H_KV, D_K, D_V), CFG,
+                          cp_group=dist.group.WORLD)
         with pytest.raises(NSAInputError, match="backend must be one of"):
             nsa_attention(*make_inputs(torch.Generator(), 1, 8, H_Q, H_KV, D_K, D_V), CFG, backend="sdpa",
                           cp_group=dist.group.WORLD)

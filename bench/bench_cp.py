@@ -17,14 +17,17 @@ the paper's heads), bf16, paper blocks, B=1, shared K/V:
              NSA's) and SDPA on the local queries against the keys before them (flash backend on a GPU)
   dense_ring torch's context_parallel (ring attention over SDPA) where this torch has it and the run is
              on NCCL GPUs; a row with its error otherwise
+  nsa_cp_torch (W=1 runs) the same with backend="torch": the PyTorch branches, which every rank runs when W > 1
+             (the fused GPU kernels take no query offset yet): the baseline of the same compute
   nsa_1gpu   (W=1 runs; --single adds it on rank 0 of larger runs) the plain nsa_attention call on the whole
              stream with the fastest backend ("auto"); nsa_cp at W=1 is the same call through cp_group
 Times are the median over --iters (after --warmup) of the slowest rank's time per iteration (a barrier
 before each); peak memory is torch.cuda.max_memory_allocated per rank over one forward+backward,
 inputs and gradients included. Every run writes bench_cp_w{W}.csv / .json (environment, arguments,
 rows) to --out; rank 0 then merges every bench_cp_w*.csv there into bench_cp_summary.csv (efficiency
-against W=1 of the same implementation: t1 / (W tW) for strong scaling, t1 / tW for weak) and
-bench_cp.png (matplotlib; skipped with a message without it).
+against W=1 of the same implementation: t1 / (W tW) for strong scaling, t1 / tW for weak; for nsa_cp also
+efficiency_same_compute, against nsa_cp_torch at W=1) and bench_cp.png (matplotlib; skipped with a
+message without it).
 --check (on by default): before timing, a small stream in fp32 through cp_group against the one-process
 call on every rank (outputs and q/k/v/gate gradients); exit status 1 when it disagrees.
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
@@ -75,7 +78,7 @@ def parse_args(argv=None):
                    help="how the stream is split (zigzag balances the compressed branch's causal cost)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--impls", default="nsa_cp,dense_cp,dense_ring", help="which implementations to time")
+    p.add_argument("--impls", default="nsa_cp,nsa_cp_torch,dense_cp,dense_ring", help="which implementations to time")
     p.add_argument("--single", action="store_true", help="also time the one-GPU call on rank 0 of a W>1 run")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="check cp_group against the one-process call before timing")
@@ -257,6 +260,13 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
     def nsa_fwdbwd():
         nsa_attention(*leaves, cfg, cp_group=spec).backward(dout)
 
+    def torch_fwd():
+        with torch.no_grad():
+            return nsa_attention(*leaves, cfg, cp_group=spec, backend="torch")
+
+    def torch_fwdbwd():
+        nsa_attention(*leaves, cfg, cp_group=spec, backend="torch").backward(dout)
+
     def dense_fwd():
         with torch.no_grad():
             return dense_cp(*leaves[:3], spec)
@@ -265,10 +275,13 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
         dense_cp(*leaves[:3], spec).backward(dout)
 
     cases = {"nsa_cp": (nsa_fwd, nsa_fwdbwd), "dense_cp": (dense_fwd, dense_fwdbwd)}
+    if W == 1:  # at W > 1 nsa_cp already runs the PyTorch branches on every rank
+        cases["nsa_cp_torch"] = (torch_fwd, torch_fwdbwd)
+    backends = {"nsa_cp": "auto", "nsa_cp_torch": "torch", "dense_cp": "fa2" if device.type == "cuda" else "sdpa"}
     for impl in impls:
         if impl not in cases:
             continue
-        row = dict(base, impl=impl, backend="auto" if impl == "nsa_cp" else "sdpa", status="ok")
+        row = dict(base, impl=impl, backend=backends[impl], status="ok")
         try:
             fwd, fwdbwd = cases[impl]
             row["fwd_ms"] = timed(fwd, args, device)
@@ -380,21 +393,25 @@ def local_timed(fn, args, device):
 def summarize(out: Path):
     """Merge every bench_cp_w*.csv in out: efficiency against W=1 of the same implementation, and the PNG."""
     rows = [r for f in sorted(out.glob("bench_cp_w*.csv")) for r in read_csv(f)]
-    base = {}
-    for r in rows:
-        if r["world"] == "1" and r["fwdbwd_ms"] and r["impl"] in ("nsa_cp", "dense_cp"):
-            key = (r["impl"], r["shape"], r["mode"], int(r["T_total"]) if r["mode"] == "strong" else int(r["T_local"]))
-            base[key] = float(r["fwdbwd_ms"])
+    def key(r, impl=None):
+        return (impl or r["impl"], r["shape"], r["mode"], int(r["T_total" if r["mode"] == "strong" else "T_local"]))
+
+    base = {key(r): float(r["fwdbwd_ms"]) for r in rows if r["world"] == "1" and r["fwdbwd_ms"]}
+
+    def eff(t1, r):
+        W, tw = int(r["world"]), float(r["fwdbwd_ms"])
+        return None if t1 is None else (t1 / (W * tw) if r["mode"] == "strong" else t1 / tw)
+
     summary = []
     for r in rows:
-        if not r["fwdbwd_ms"] or r["impl"] not in ("nsa_cp", "dense_cp"):
+        if not r["fwdbwd_ms"] or r["impl"] not in ("nsa_cp", "nsa_cp_torch", "dense_cp"):
             continue
-        W = int(r["world"])
-        key = (r["impl"], r["shape"], r["mode"], int(r["T_total"]) if r["mode"] == "strong" else int(r["T_local"]))
-        t1, tw = base.get(key), float(r["fwdbwd_ms"])
-        eff = None if t1 is None else (t1 / (W * tw) if r["mode"] == "strong" else t1 / tw)
+        # efficiency: against W=1 of the same call (nsa_cp at W=1 is the fused one-GPU call);
+        # efficiency_same_compute: nsa_cp against W=1 of the PyTorch branches its ranks run at W > 1.
+        same = base.get(key(r, "nsa_cp_torch")) if r["impl"] == "nsa_cp" else base.get(key(r))
         summary.append({**{c: r[c] for c in ("mode", "impl", "shape", "world", "T_total", "T_local", "fwd_ms",
-                                             "bwd_ms", "fwdbwd_ms", "peak_mib_max")}, "efficiency": eff})
+                                             "bwd_ms", "fwdbwd_ms", "peak_mib_max")},
+                        "efficiency": eff(base.get(key(r)), r), "efficiency_same_compute": eff(same, r)})
     write_csv(out / "bench_cp_summary.csv", summary)
     try:
         import matplotlib

@@ -150,7 +150,7 @@ def step_models(cfg, T, B, Hq, Hkv, Dk, Dv, idx=None):
 
 
 def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
-    """Each step of the fused pipeline alone, as nsa.pipeline.run_fused composes them."""
+    """Each step of the fused pipeline alone, as nsa.run.fused composes them."""
     from nsa import plan as planning
     from nsa.branches.combine.naive import combine_torch
     from nsa.compress import compress_kv

@@ -19,6 +19,8 @@ from .plan import DECODE_BACKENDS, plan_decode
 from .run.decode_step import run_decode
 from .validation import NSAInputError, check_qkv
 
+plan_decode_backend = plan_decode  # the name this decision had before planning moved into nsa.plan
+
 
 def _check_step(q, k, v, gates, cache: NSACache, cfg, kv_cmp, kv_win, compress_fn, out):
     """Every check of a decode step, before anything is written. Returns (k, v, kc, vc, kw, vw)."""
@@ -127,4 +129,4 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     cache.write(k, v, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, cu_seqlens=cu_seqlens)
     return out
 
-__all__ = ["DECODE_BACKENDS", "nsa_decode", "nsa_prefill", "step_stats"]
+__all__ = ["DECODE_BACKENDS", "nsa_decode", "nsa_prefill", "plan_decode_backend", "step_stats"]

@@ -32,5 +32,4 @@ def run(plan, q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_cmp=None,
                   block_indices=block_indices, need_indices=need_indices, chunk=chunk)
 
 
-
 __all__ = ["run", "run_chunked", "run_fused"]

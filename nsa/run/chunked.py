@@ -35,7 +35,6 @@ def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: N
     return int(min(T, chunk)) if T > 0 else 1
 
 
-
 def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scale, fixed, o_cmp_full,
            lse_cmp_full, o_win_full, need_indices, sel_deferred=False):
     """One chunk of queries [c0, c1). Returns (out [B, C, Hq, Dv], indices [B, C, Hkv, n] or None).

@@ -1,4 +1,4 @@
-"""nsa_attention: the functional API. Validate the inputs, plan once (nsa.plan), run the plan (nsa.pipeline).
+"""nsa_attention: the functional API. Validate the inputs, plan once (nsa.plan), run the plan (nsa.run).
 
 `backend="auto"`: every step goes to the fastest implementation that can serve it here: on a GPU the
 fused pipeline (compressed and sliding branches on FlashAttention-2, top-n and selected attention on
@@ -13,8 +13,8 @@ from __future__ import annotations
 from . import telemetry
 from .config import NSAConfig
 from .layout import dense_layout, packed_layout
-from .pipeline import run
 from .plan import BACKENDS, make_plan
+from .run import run
 from .validation import NSAInputError, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
 
 

@@ -1,4 +1,6 @@
-"""Planning: which implementation serves each step of one nsa_attention call, decided once per call.
+"""Planning: which implementation serves each step of one nsa_attention call or one decode step, decided
+once per call (`make_plan`, `plan_decode`). The rules are data in nsa.plan.rules; the providers and their
+availability in nsa.plan.providers.
 
 Steps: cmp (compressed attention + its LSE), topn (the selection blocks), sel (selected attention), win
 (sliding window) and, in the fused executor, combine (the gated sum). `make_plan` reads the toggles
@@ -22,10 +24,18 @@ chunked loop.
 
 Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
 top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
-(nsa.pipeline.run_fused); for dense input on FA-2-family providers it runs as one autograd node
-(Plan.dense_core, nsa.dense_core). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
-implementations exist as hooks (nsa.pipeline.run_chunked). backend="torch" is always chunked;
+(nsa.run.fused); for dense input on FA-2-family providers it runs as one autograd node
+(Plan.dense_core, nsa.run.dense_core). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
+implementations exist as hooks (nsa.run.chunked). backend="torch" is always chunked;
 backend="reference" is the fp64 oracle.
+
+Decode (`plan_decode`, backend= "auto" | "torch" | "triton"): a forced backend that cannot run raises
+NSAInputError with the reason; "auto" takes the Triton decode kernels on CUDA when their guards pass, else
+torch, and the decision is counted in nsa.telemetry for cmp, sel and win: reason "ok" / "forced" when the
+chosen path ran as asked, "decode" when torch ran because the kernels are not available here (CPU, no
+triton: the environment, not a fallback), or the failed guard's reason (a fallback). Guards: disabled
+(NSA_USE_TRITON_DECODE=0), sm_unsupported (< 8.0), dtype (fp16/bf16/fp32), head_dim (> 256), group_size
+(Hq/Hkv > 64), grad (inputs that need gradients: the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -37,25 +47,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dense_core, telemetry
-from . import toggles as _toggles
-from .branches.compressed.fa2 import compressed_fa2
-from .branches.compressed.sdpa import compressed_sdpa
-from .branches.sliding.fa2 import sliding_fa2
-from .branches.sliding.sdpa import sliding_sdpa
-from .kernels.fa2.base import CallContext
-from .kernels.fa2.flash_attn import FlashAttnProvider
-from .kernels.fa2.torch_cudnn import TorchCudnnProvider
-from .kernels.fa2.torch_flash import TorchFlashProvider
-from .kernels.sdpa import SdpaProvider
-from .kernels.triton.provider import TritonProvider
-from .validation import NSAInputError, Shapes
+from .. import telemetry
+from .. import toggles as _toggles
+from ..branches.combine import triton as combine_triton
+from ..branches.compressed.fa2 import compressed_fa2
+from ..branches.compressed.sdpa import compressed_sdpa
+from ..branches.context import CallContext
+from ..branches.selected import triton as selected_triton
+from ..branches.sliding.fa2 import sliding_fa2
+from ..branches.sliding.sdpa import sliding_sdpa
+from ..hooks import HOOKS
+from ..validation import NSAInputError, Shapes
+from . import providers as _providers
+from . import rules
+from .providers import CUDNN, ORDER, PROVIDERS, TRITON  # noqa: F401 - the registry, as nsa.plan.*
 
 BACKENDS = ("auto", "torch", "reference", "flash_attn", "torch_flash", "sdpa")
-ORDER = ("flash_attn", "torch_flash", "sdpa")
-PROVIDERS = {"flash_attn": FlashAttnProvider(), "torch_flash": TorchFlashProvider(), "sdpa": SdpaProvider()}
-CUDNN = TorchCudnnProvider()  # tried first where it applies (dense compressed branch on sm90), auto only
-TRITON = {"sel": TritonProvider("sel"), "topn": TritonProvider("topn"), "combine": TritonProvider("combine")}
 SEL_BACKENDS = _toggles.SEL_BACKENDS
 STEPS = ("cmp", "topn", "sel", "win", "combine")
 
@@ -74,7 +81,7 @@ class Step:
 class Plan:
     executor: str  # "fused" | "chunked" | "reference"
     steps: dict[str, Step] = field(default_factory=dict)
-    dense_core: bool = False  # fused executor: the steps run as one autograd node (nsa.dense_core)
+    dense_core: bool = False  # fused executor: the steps run as one autograd node (nsa.run.dense_core)
     window_triton: bool = False  # dense core: the sliding branch on the Triton kernels (forward and backward)
 
     def __getattr__(self, name):
@@ -92,25 +99,26 @@ class Plan:
 def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg, n_cmp: int = 0) -> tuple[str, str, str]:
     """(provider name or "torch", reason, detail) for cmp or win (n_cmp: compressed blocks of the longest
     sequence). Raises when forced and impossible."""
-    if backend in PROVIDERS:
-        prov = PROVIDERS[backend]
+    provs, cudnn = _providers.providers(), _providers.cudnn()
+    if backend in provs:
+        prov = provs[backend]
         ok, why = prov.availability(ctx.device, forced=True)
         if not ok:
             raise NSAInputError(f"backend={backend!r} is not available here: {why}")
-        fail = prov.guard(branch, ctx, tg, forced=True)
+        fail = _providers.guard(prov, branch, ctx, tg, forced=True)
         if fail:
             raise NSAInputError(f"backend={backend!r} cannot serve the {branch} branch: {fail}")
         return backend, "forced", ""
-    if CUDNN.applies(branch, ctx, tg, n_cmp) and CUDNN.availability(ctx.device, forced=False)[0] and (
-            CUDNN.guard(branch, ctx, tg, forced=False) is None):
-        return CUDNN.name, "ok", ""  # where its guards fail, the FA-2 order below decides (and records why)
+    if rules.cudnn_applies(cudnn, branch, ctx, tg, n_cmp) and cudnn.availability(ctx.device, forced=False)[0] and (
+            _providers.guard(cudnn, branch, ctx, tg, forced=False) is None):
+        return cudnn.name, "ok", ""  # where its guards fail, the FA-2 order below decides (and records why)
     first_fail = None
     for name in ORDER:
-        prov = PROVIDERS[name]
+        prov = provs[name]
         ok, _ = prov.availability(ctx.device, forced=False)
         if not ok:
             continue
-        fail = prov.guard(branch, ctx, tg, forced=False)
+        fail = _providers.guard(prov, branch, ctx, tg, forced=False)
         if fail is None:
             return name, (first_fail.reason if first_fail else "ok"), (str(first_fail) if first_fail else "")
         if first_fail is None:
@@ -187,14 +195,13 @@ def _cache_key(backend, q, k, v, cfg, kv_cmp, kv_win, given_indices, sel_backend
     """The key of a call whose plan may be cached, or None: dense CUDA input (packed input's plan reads the
     offsets' values). It holds what planning reads: the toggles, shapes, strides, 16-byte alignment,
     dtypes, the device, whether gradients are needed, and the provider objects (CPU tests swap and
-    modify them, so CPU calls are never cached)."""
-    if not q.is_cuda:
+    modify them, so CPU calls are not cached unless nsa.hooks.HOOKS.cache_cpu_plans)."""
+    if not (q.is_cuda or HOOKS.cache_cpu_plans):
         return None
-    from .kernels.triton import tma
-
     pairs = tuple(_tensor_key(t) for pair in (kv_cmp, kv_win) for t in (pair or (None, None)))
     return (backend, sel_backend, given_indices, tg, cfg, q.device, torch.is_grad_enabled(), _tensor_key(q),
-            _tensor_key(k), _tensor_key(v), pairs, tma.ENABLED, tma.FORCE, id(PROVIDERS), id(CUDNN), id(TRITON))
+            _tensor_key(k), _tensor_key(v), pairs, HOOKS.tma, HOOKS.tma_force, id(_providers.providers()),
+            id(_providers.cudnn()), id(TRITON))
 
 
 def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlens=None, host_cu=None,
@@ -254,13 +261,15 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
         if name == "sdpa":
             fn = functools.partial(impl_sdpa, tg)
         elif name != "torch":
-            impl = (CUDNN if name == CUDNN.name else PROVIDERS[name], ctx)
-            fn = functools.partial(impl_fa2, impl[0], ctx, tg)
+            prov = _providers.cudnn() if name == CUDNN.name else _providers.providers()[name]
+            ctx.kernel_dtype = rules.fa2_kernel_dtype(prov, ctx.dtype, tg)[0]
+            impl = (prov, ctx)
+            fn = functools.partial(impl_fa2, prov, ctx, tg)
         steps[branch] = Step(name, reason, fn, detail, impl)
 
     sel_ctx = ctx_for(k, v, [q, k, v])
     name, reason, detail = _triton_choice("sel", sel_backend, sel_ctx, tg, cfg)
-    steps["sel"] = Step(name, reason, _sel_triton if name == "triton" else None, detail)
+    steps["sel"] = Step(name, reason, selected_triton.selected_attention if name == "triton" else None, detail)
 
     if given_indices:
         steps["topn"] = Step("given", "forced")
@@ -276,7 +285,7 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
         # "triton_sel" forces the selected attention kernel; the top-n kernel then runs where it can.
         topn_choice = "torch" if sel_backend == "torch" else "auto"
         name, reason, detail = _triton_choice("topn", topn_choice, ctx_for(k, v, []), tg, cfg)
-        steps["topn"] = Step(name, reason, _topn_triton if name == "triton" else None, detail)
+        steps["topn"] = Step(name, reason, selected_triton.top_n if name == "triton" else None, detail)
 
     fused = all(steps[s].fn is not None for s in ("cmp", "sel", "win")) and (
         given_indices or steps["topn"].fn is not None)
@@ -284,45 +293,64 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
         ok, _ = TRITON["combine"].availability(q.device, forced=False)
         fail = TRITON["combine"].guard(sel_ctx, tg, forced=False) if ok else None
         if ok and fail is None:
-            steps["combine"] = Step("triton", "ok", _combine_triton)
+            steps["combine"] = Step("triton", "ok", combine_triton.gate_combine)
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
-    core = fused and dense_core.applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
-    win_triton = core and _window_triton(steps["win"], tg, q, *(kv_win or (k, v)))
+    core = fused and rules.dense_core_applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
+    win_triton = core and rules.window_triton(tg, q, *(kv_win or (k, v)))
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
-    # T == 0 never runs either executor (nsa.pipeline.run)
+    # T == 0 never runs either executor (nsa.run.run)
     return Plan("fused" if fused else "chunked", steps, core, win_triton)
 
 
-def _window_triton(win: Step, tg, q, kw, vw) -> bool:
-    """Whether the dense core runs the sliding branch on NSA's Triton kernels: on by default where they run
-    (Hopper TMA copies, power-of-two head dims); elsewhere its FA-2 provider serves both directions, as it
-    would without them (not a fallback: telemetry counts the kernels' runs as a "window_forward" event)."""
-    if not tg.triton_window:
-        return False
-    from .kernels.triton.window import supported
+# --- decode steps ---------------------------------------------------------------------------------------------
 
-    return supported(q, kw, vw)[0]
+DECODE_BACKENDS = ("auto", "torch", "triton")
+DECODE_BRANCHES = ("cmp", "sel", "win")
 
 
-# --- the Triton steps, bound lazily so that planning never imports triton ----------------------------------
+@dataclass(frozen=True)
+class DecodePlan:
+    backend: str  # "torch" or "triton"
+    reason: str  # telemetry reason
+    detail: str = ""
 
-def _sel_triton(q, k, v, indices, layout, cfg, scale):
-    from .branches.selected.triton import selected_attention
-
-    return selected_attention(q, k, v, indices, layout, cfg, scale)
-
-
-def _topn_triton(q, k_cmp, lse, layout, cfg, scale):
-    from .branches.selected.triton import top_n
-
-    return top_n(q, k_cmp, lse, layout, cfg, scale)
+    @property
+    def served(self) -> str:
+        """The backend name telemetry records for the step's branches."""
+        return "triton_decode" if self.backend == "triton" else "torch"
 
 
-def _combine_triton(gates, o_cmp, o_sel, o_win):
-    from .kernels.triton.combine import gate_combine
+def plan_decode(backend: str, q, cache, *, needs_grad: bool = False, record: bool = False) -> DecodePlan:
+    """Which implementation runs this decode step, and the telemetry reason (recorded for cmp, sel and win
+    when `record`). Raises when forced and impossible."""
+    plan = _plan_decode(backend, q, cache, needs_grad)
+    if record:
+        for branch in DECODE_BRANCHES:
+            telemetry.record(branch, plan.served, plan.reason, **({"detail": plan.detail} if plan.detail else {}))
+    return plan
 
-    return gate_combine(gates, o_cmp, o_sel, o_win)
+
+def _plan_decode(backend: str, q, cache, needs_grad: bool) -> DecodePlan:
+    if backend not in DECODE_BACKENDS:
+        raise NSAInputError(f"backend must be one of {DECODE_BACKENDS} for a decode step, got {backend!r}"
+                            + (" (that backend has no decode step of its own: NSAAttention takes decode_backend=)"
+                               if isinstance(backend, str) else ""))
+    if backend == "torch":
+        return DecodePlan("torch", "forced")
+    forced = backend == "triton"
+    prov = TRITON["decode"]
+    ok, why = prov.availability(q.device, forced)
+    if not ok:
+        if forced:
+            raise NSAInputError(f"backend='triton' is not available here: {why}")
+        return DecodePlan("torch", "decode", why)  # the environment, not a fallback
+    fail = prov.decode_guard(q, cache, needs_grad)
+    if fail:
+        if forced:
+            raise NSAInputError(f"backend='triton' cannot run this decode step: {fail}")
+        return DecodePlan("torch", fail.reason, fail.message)
+    return DecodePlan("triton", "forced" if forced else "ok")

@@ -1,6 +1,6 @@
 """The fused pipeline for dense input as ONE autograd node: no copy folds q, no autograd glue.
 
-Run as separate autograd operations (nsa.pipeline.run_fused), the fused pipeline moves about 15 ms of
+Run as separate autograd operations (nsa.run.fused), the fused pipeline moves about 15 ms of
 [B, T, Hq, D] tensors per forward+backward at T=64k on an H100 (bf16, Hq=64) that no kernel needs: the
 compressed branch's fold and unfold copies of q, o and their gradients, the zero-fill-and-copy of every
 slice's backward, and the sums of the three branches' dq by autograd. Here the steps run inside one
@@ -9,9 +9,9 @@ torch.autograd.Function:
 - compressed branch folded by VIEW (nsa.branches.compressed.fold, "Folding by view"): the FA-2 / cuDNN
   call reads q in place, writes its rows in token order, and gets its output gradient in the same
   layout; the few tail tokens after the last whole row see every block they can: one unmasked call of
-  the sliding branch's FA-2 provider;
+  the sliding branch's FA-2 provider (nsa.branches.compressed.fa2: rows_attention, tail_attention);
 - gate combine reads o_cmp as two token segments and writes their gradients in place
-  (nsa.kernels.triton.combine.Segments); in the forward it runs in the selection kernel's epilogue;
+  (nsa.branches.combine.triton.segments); in the forward it runs in the selection kernel's epilogue;
 - the selection dq kernel adds its dq and the compressed branch's to the sliding branch's, in fp32 on the
   way out (one buffer, no autograd sum, no extra pass);
 - indices from the top-n kernel are unique and ascending already: no deduplication pass;
@@ -24,54 +24,23 @@ The FA-2 / cuDNN calls keep their own autograd formulas: each runs under enable_
 it (a view of q, the expanded compressed K/V), and the backward asks autograd for those leaves' gradients,
 so the library's backward runs exactly as it would outside (dropout off, the same saved tensors).
 
-Applies (planning decides, `applies`): dense input, compressed and sliding branches on an FA-2-family
-provider (flash_attn, torch_flash, torch_cudnn) with no dtype cast or head-dim padding, selection, top-n
-(or given indices) and combine on Triton, a q whose tokens can be viewed as rows, at least two rows.
-NSA_DENSE_CORE=0 turns it off. Not twice differentiable.
+Every step is a branch function (nsa.branches); which providers serve them, and whether the core applies
+at all, planning decides (nsa.plan.rules.dense_core_applies): dense input, compressed and sliding branches
+on an FA-2-family provider (flash_attn, torch_flash, torch_cudnn) with no dtype cast or head-dim padding,
+selection, top-n (or given indices) and combine on Triton, a q whose tokens can be viewed as rows, at least
+two rows. NSA_DENSE_CORE=0 turns it off. Not twice differentiable.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import telemetry
-from .branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_foldable, view_rows
-from .kernels.fa2 import guards
-
-MIN_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
-
-
-def applies(plan_steps, ctx, toggles, q, cfg, given_indices: bool) -> tuple[bool, str]:
-    """(whether the dense core serves this call, why not)."""
-    if not toggles.dense_core:
-        return False, "NSA_DENSE_CORE=0"
-    if ctx.packed or toggles.force_varlen:
-        return False, "packed input (cu_seqlens) or NSA_FA2_FORCE_VARLEN=1"
-    for step in ("cmp", "win"):
-        if plan_steps[step].impl is None:
-            return False, f"the {step} step is not on an FA-2-family provider"
-        prov = plan_steps[step].impl[0]
-        if ctx.dtype not in prov.kernel_dtypes:
-            return False, f"{ctx.dtype} is cast for {prov.name}"
-    if plan_steps["sel"].provider != "triton" or plan_steps["combine"].provider != "triton" or not (
-            given_indices or plan_steps["topn"].provider == "triton"):
-        return False, "sel, top-n and combine are not all on Triton"
-    if not (ctx.Dk == ctx.Dv == guards.padded_head_dim(ctx.Dk, ctx.Dv)):
-        return False, f"head dims Dk={ctx.Dk}, Dv={ctx.Dv} are padded for FA-2"
-    if not view_foldable(q):
-        return False, "q's token stride is not Hq times its head stride"
-    if view_rows(ctx.T, cfg)[1] < MIN_ROWS:
-        return False, f"T={ctx.T} has fewer than {MIN_ROWS} rows of {cfg.stride_cmp} tokens after the first block"
-    return True, ""
-
-
-def _tail_attention(prov, q, k_cmp, v_cmp, scale):
-    """The tail tokens (fewer than d after the last whole row) all see every block of k_cmp [B, n+1, Hkv, D]:
-    one call of the sliding branch's FA-2 provider with no mask (one kernel, and its backward one more,
-    where attention in torch took about 25 small operations each way). (o [B, C, Hq, Dv], lse [B, C, Hq])."""
-    C = q.shape[1]
-    o, lse = prov.attn(q, k_cmp, v_cmp, causal=False, left=-1, scale=scale, varlen=None, need_lse=True)
-    return o, lse[..., :C].transpose(1, 2)
+from .. import telemetry
+from ..branches.combine import triton as combine_triton
+from ..branches.compressed.fa2 import rows_attention, tail_attention
+from ..branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_rows
+from ..branches.selected import triton as selected_triton
+from ..branches.sliding import triton as sliding_triton
 
 
 def _keep_graph() -> bool:
@@ -87,9 +56,6 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 class DenseCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_cmp, v_cmp, kw, vw, gates, run):
-        from .kernels.triton.combine import Segments
-        from .kernels.triton.selection import sel_forward
-
         plan, layout, cfg, scale, given = run["plan"], run["layout"], run["cfg"], run["scale"], run["indices"]
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
@@ -102,14 +68,14 @@ class DenseCore(torch.autograd.Function):
         with torch.enable_grad():
             # Compressed branch: rows by view, then the tail (fewer than d tokens) on the window's FA-2 provider.
             cmp_in = (_leaf(fold_q_view(q, t0, n, d)), _leaf(expand_kv(k_cmp, n, d)), _leaf(expand_kv(v_cmp, n, d)))
-            o_rows, lse_rows = prov_cmp.attn(*cmp_in, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
+            o_rows, lse_rows = rows_attention(prov_cmp, *cmp_in, scale)
             o_main = unfold_view_o(o_rows, Hq)
             lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)
             lse[:, :t0] = float("-inf")  # tokens before the first row see no block
             lse[:, t0:ta] = unfold_view_lse(lse_rows.detach(), Hq, d)
             if ta < T:
                 tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
-                o_tail, lse_tail = _tail_attention(plan.win.impl[0], *tail_in, scale)
+                o_tail, lse_tail = tail_attention(plan.win.impl[0], *tail_in, scale)
                 lse[:, ta:] = lse_tail.detach()
             else:
                 tail_in, o_tail = None, o_main.new_zeros(B, 0, Hq, o_main.shape[-1])
@@ -119,9 +85,10 @@ class DenseCore(torch.autograd.Function):
         else:
             idx = given
         ss = layout.seq_start_i32
-        seg = Segments(o_main.detach(), t0, o_tail.detach())
+        seg = combine_triton.segments(o_main.detach(), t0, o_tail.detach())
         # The gate combine runs in the selection kernel's epilogue.
-        out, o_sel, lse_sel = sel_forward(q, k, v, idx, ss, cfg.block_sel, scale, combine=(gates, seg, window.o))
+        out, o_sel, lse_sel = selected_triton.forward(q, k, v, idx, ss, cfg.block_sel, scale,
+                                                     combine=(gates, seg, window.o))
 
         ctx.graphs = ((o_main, cmp_in), (o_tail, tail_in), window)
         ctx.seg, ctx.shape = seg, (t0, n, ta, d, Hkv)
@@ -134,9 +101,6 @@ class DenseCore(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _didx):
-        from .kernels.triton.combine import combine_backward
-        from .kernels.triton.selection import sel_backward
-
         q, k, v, gates, o_sel, lse_sel, o_win, idx, ss = ctx.saved_tensors
         (o_main, cmp_in), (o_tail, tail_in), window = ctx.graphs
         t0, n, ta, d, Hkv = ctx.shape
@@ -144,7 +108,7 @@ class DenseCore(torch.autograd.Function):
         # The inner graphs live as long as this node: kept when the caller keeps the graph (retain_graph).
         keep = _keep_graph()
         dout = torch.zeros_like(o_win) if dout is None else dout.contiguous()
-        dg, da, ds, dw = combine_backward(dout, gates, ctx.seg, o_sel, o_win)
+        dg, da, ds, dw = combine_triton.backward(dout, gates, ctx.seg, o_sel, o_win)
         dq, dkw, dvw = window.grad(dw, keep)
         dq_rows, dk_rows, dv_rows = torch.autograd.grad(o_main, cmp_in, da.main, retain_graph=keep)
         dk_cmp = dk_rows.new_zeros(ctx.k_cmp_shape[0])
@@ -153,8 +117,8 @@ class DenseCore(torch.autograd.Function):
         dv_cmp[:, :n] = dv_rows.unflatten(2, (d, Hkv)).sum(2)
         # The selection dq kernel adds its dq and the compressed rows' (a view when written row-major) in fp32.
         dq_rows = dq_rows.reshape(B, ta - t0, *dq.shape[2:])
-        _, dk, dv = sel_backward(ds, q, k, v, o_sel, lse_sel, idx, ss, ctx.block_sel, ctx.scale, dq_into=dq,
-                                 dq_more=(dq_rows, t0))
+        _, dk, dv = selected_triton.backward(ds, q, k, v, o_sel, lse_sel, idx, ss, ctx.block_sel, ctx.scale,
+                                            dq_into=dq, dq_more=(dq_rows, t0))
         if ta < q.shape[1]:  # after the selection kernels: its small torch operations queue behind them
             dq_t, dk_t, dv_t = torch.autograd.grad(o_tail, tail_in, da.tail.to(o_tail.dtype), retain_graph=keep)
             dq[:, ta:] += dq_t
@@ -180,20 +144,16 @@ class GraphWindow:
 
 
 class TritonWindow:
-    """The sliding branch on NSA's Triton kernels (nsa.kernels.triton.window: faster than FA-2's on Hopper),
+    """The sliding branch on NSA's Triton kernels (nsa.branches.sliding.triton: faster than FA-2's on Hopper),
     forward now and backward from the saved o and LSE."""
 
     def __init__(self, q, kw, vw, cfg, scale):
-        from .kernels.triton.window import window_forward
-
         telemetry.event("win", "triton", "window_forward")
-        self.o, self.lse = window_forward(q, kw, vw, cfg.window, scale)
-        self.inputs, self.window, self.scale = (q, kw, vw), cfg.window, scale
+        self.o, self.lse = sliding_triton.forward(q, kw, vw, cfg, scale)
+        self.inputs, self.cfg, self.scale = (q, kw, vw), cfg, scale
 
     def grad(self, dw, keep: bool):
-        from .kernels.triton.window import window_backward
-
-        return window_backward(dw, *self.inputs, self.o, self.lse, self.window, self.scale)
+        return sliding_triton.backward(dw, *self.inputs, self.o, self.lse, self.cfg, self.scale)
 
 
 def start_window(plan, q, kw, vw, layout, cfg, scale):
@@ -212,4 +172,4 @@ def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices,
     return DenseCore.apply(q, k, v, k_cmp, v_cmp, kw, vw, gates, run_args)
 
 
-__all__ = ["DenseCore", "GraphWindow", "MIN_ROWS", "TritonWindow", "applies", "run", "start_window"]
+__all__ = ["DenseCore", "GraphWindow", "TritonWindow", "run", "start_window"]

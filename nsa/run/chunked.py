@@ -1,15 +1,7 @@
-"""Running a Plan (nsa.plan): the fused GPU pipeline and the chunked torch path.
-
-Fused (every step has a whole-T implementation): compress K/V (phi) -> compressed attention and its
-LSE -> fused score + top-n -> selected attention -> sliding window -> gate combine. A fixed sequence
-of kernels over the whole T: no Python loop over queries, no host synchronisation for dense input,
-nothing of size [T, N_cmp] or [T, N_sel] in memory. The backward is each operation's own backward (FA-2
-for cmp and win, the Triton selection backward, the compression's and the combine's).
-
-Chunked (the torch backend, CPU, and any call where a step has no fast implementation): queries are
-processed `chunk` at a time; per chunk the compressed branch sees at most T/d blocks, the selected
-branch gathers n*l' tokens per query and KV head, the sliding branch a band of chunk + w - 1 keys, so
-time and memory grow as T * (T/d + n*l' + w), never as a dense [T, T] tensor. With autograd on, each
+"""The chunked executor (the torch backend, CPU, and any call where a step has no fast implementation):
+queries are processed `chunk` at a time; per chunk the compressed branch sees at most T/d blocks, the
+selected branch gathers n*l' tokens per query and KV head, the sliding branch a band of chunk + w - 1 keys,
+so time and memory grow as T * (T/d + n*l' + w), never as a dense [T, T] tensor. With autograd on, each
 chunk is recomputed in the backward (activation checkpointing) so the saved state stays at one chunk's
 size. Steps that do have a whole-T implementation run once over the whole T instead (cmp and win before
 the loop, top-n before it when the kernel serves it, sel after it over every chunk's blocks).
@@ -22,27 +14,17 @@ import os
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import dense_core, telemetry
-from .branches.attend import compute_dtype
-from .branches.compressed.naive import compressed_chunk
-from .branches.selected.naive import dedupe_indices, selected_chunk, topn_chunk
-from .branches.sliding.naive import sliding_chunk
-from .compress import compress_kv
-from .config import NSAConfig
-from .layout import SeqLayout
-from .plan import Plan
+from ..branches.attend import compute_dtype
+from ..branches.compressed.naive import compressed_chunk
+from ..branches.selected.naive import dedupe_indices, selected_chunk, topn_chunk
+from ..branches.sliding.naive import sliding_chunk
+from ..compress import compress_kv
+from ..config import NSAConfig
+from .common import branch_kv
 
 # Elements of the largest per-chunk intermediate: a few hundred MB on CPU, a few GB on a GPU, where
 # larger chunks mean fewer kernel launches. NSA_TORCH_CHUNK_BUDGET overrides both.
 DEFAULT_CHUNK_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
-
-
-def combine_torch(gates, o_cmp, o_sel, o_win):
-    """out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win in the compute dtype, cast to o_cmp's dtype."""
-    ct = compute_dtype(o_cmp.dtype)
-    g = gates.to(ct)
-    out = g[..., 0:1] * o_cmp.to(ct) + g[..., 1:2] * o_sel.to(ct) + g[..., 2:3] * o_win.to(ct)
-    return out.to(o_cmp.dtype)
 
 
 def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: NSAConfig, device_type="cpu") -> int:
@@ -51,44 +33,6 @@ def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: N
     per_query = Hq * (n_cmp + cfg.n_sel * cfg.block_sel + cfg.window) + Hkv * cfg.n_sel * cfg.block_sel * (Dk + Dv)
     chunk = max(16, budget // max(per_query, 1))
     return int(min(T, chunk)) if T > 0 else 1
-
-
-def _branch_kv(k, v, kv_cmp, kv_win):
-    kc, vc = kv_cmp if kv_cmp is not None else (k, v)
-    kw, vw = kv_win if kv_win is not None else (k, v)
-    return kc, vc, kw, vw
-
-
-def run(plan: Plan, q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_cmp=None, kv_win=None,
-        compress_fn=None, block_indices=None, need_indices=False, chunk=None):
-    """Out [B, T, Hq, Dv] in q's dtype, and the int32 block indices when need_indices (else None)."""
-    B, T, Hq, _ = q.shape
-    if T == 0:
-        return q.new_zeros(B, 0, Hq, v.shape[3]), q.new_zeros(B, 0, k.shape[2], cfg.n_sel, dtype=torch.int32)
-    runner = run_fused if plan.executor == "fused" else run_chunked
-    return runner(plan, q, k, v, gates, cfg, layout, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn,
-                  block_indices=block_indices, need_indices=need_indices, chunk=chunk)
-
-
-def run_fused(plan: Plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, compress_fn=None,
-              block_indices=None, need_indices=False, chunk=None):
-    scale = cfg.softmax_scale(q.shape[-1])
-    kc, vc, kw, vw = _branch_kv(k, v, kv_cmp, kv_win)
-    window = dense_core.start_window(plan, q, kw, vw, layout, cfg, scale) if plan.dense_core else None
-    k_cmp, v_cmp = compress_kv(kc, vc, layout, cfg, compress_fn)
-    given = dedupe_indices(block_indices).to(torch.int32) if block_indices is not None else None
-    if plan.dense_core:
-        telemetry.event("pipeline", "fused", "dense_core")
-        out, indices = dense_core.run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, given,
-                                      window)
-        return out, (indices if need_indices else None)
-    o_cmp, lse = plan.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
-    indices = given if given is not None else plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)
-    o_sel = plan.sel.fn(q, k, v, indices, layout, cfg, scale)
-    o_win = plan.win.fn(q, kw, vw, layout, cfg, scale)
-    combine = plan.combine.fn or combine_torch
-    out = combine(gates, o_cmp, o_sel, o_win)
-    return out, (indices if need_indices else None)
 
 
 def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scale, fixed, o_cmp_full,
@@ -137,12 +81,12 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
     return out.to(q.dtype), (indices if need_indices else None)
 
 
-def run_chunked(plan: Plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, compress_fn=None,
+def run_chunked(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, compress_fn=None,
                 block_indices=None, need_indices=False, chunk=None, use_checkpoint=None):
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     scale = cfg.softmax_scale(Dk)
-    kc_src, vc_src, k_win, v_win = _branch_kv(k, v, kv_cmp, kv_win)
+    kc_src, vc_src, k_win, v_win = branch_kv(k, v, kv_cmp, kv_win)
     k_cmp, v_cmp = compress_kv(kc_src, vc_src, layout, cfg, compress_fn)
     ct = compute_dtype(q.dtype)
     # Cast once per call, not per chunk. Gathering from compute-dtype copies also makes the backward's
@@ -189,3 +133,6 @@ def run_chunked(plan: Plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=
     if need_indices:
         indices = torch.cat(idxs, dim=1).to(torch.int32) if len(idxs) > 1 else idxs[0].to(torch.int32)
     return out, indices
+
+
+__all__ = ["DEFAULT_CHUNK_BUDGET", "choose_chunk", "run_chunked"]

@@ -127,6 +127,16 @@ for _suite, _doc in GPU_SUITES.items():
 
 
 @nox.session
+def runbooks(session: nox.Session) -> None:
+    """The nsa-vibe runbook's and GPU test plan's commands that need no GPU, as written (tests/runbooks.sh;
+    docs/migration.md): about 15 minutes on 2 cores. Args: a step-name filter."""
+    install_cell(session)
+    # The documents' `uv run -q ...` lines need uv: nox's own (requirements/bootstrap.txt) after the venv's bin.
+    path = os.pathsep.join([session.bin, str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    session.run("bash", "tests/runbooks.sh", *session.posargs, external=True, env={"PATH": path})
+
+
+@nox.session
 def package(session: nox.Session) -> None:
     """Build the sdist and the wheel (`python -m build`) into dist/, check them with `twine check --strict`, and
     check that the wheel ships LICENSE, NOTICE and py.typed and requires numpy. Tools from the hash-pinned

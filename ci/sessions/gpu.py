@@ -28,8 +28,7 @@ SESSIONS = ("gpu_parity", "backward", "bench", "oneshot")
 # Test files per suite. `expected`: a suite FAILS when one is missing (the acceptance names them);
 # every other tests/gpu/test_*.py goes to gpu_parity unless it matches a backward pattern.
 BACKWARD_PATTERNS = ("test_backward", "test_gradcheck", "test_train")
-EXPECTED = {
-    "gpu_parity": ["tests/gpu/test_fa2_parity.py", "tests/gpu/test_decode_gpu.py"],
+EXPECTED = {"gpu_parity": ["tests/gpu/test_fa2_parity.py", "tests/gpu/test_decode_gpu.py"],
     "backward": ["tests/gpu/test_backward_varlen.py", "tests/gpu/test_gradcheck_gpu.py"],
 }
 # Seconds per suite (a deadline for all of its commands) and per test; --full sweeps take longer.
@@ -167,8 +166,7 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
         expected = expected_set(cell, report, run.path)
         if check is None:
             p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], env=ctx.child_env(),
-                               cwd=run.path if expected != cell else ROOT, capture_output=True, text=True,
-                               timeout=300)
+                               cwd=run.path if expected != cell else ROOT, capture_output=True, text=True, timeout=300)
             check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         check = {"error": str(e)}

@@ -31,8 +31,7 @@ PLANNED_SUITES = ("gpu_parity", "backward", "bench")
 SUITE_TITLES = {
     "gpu_parity": "GPU parity (FA-2 cmp/win, Triton selection if present, decode vs prefill, torch vs fp64 oracle)",
     "backward": "Grad/Train smokes (gradient parity, gradcheck fp64, training smoke: loss falls)",
-    "bench": "Benches (prefill, decode, FA-2) + bench gate",
-}
+    "bench": "Benches (prefill, decode, FA-2) + bench gate"}
 KNOWN_GOOD, HOST_ENV, EVIDENCE = "known-good", "passes-on-host", "evidence"
 # CI runs that may certify a commit: the commit on main that triggered them (a PR's merge commit, a manual
 # run of another ref or commit, is evidence for that change only).
@@ -448,5 +447,6 @@ def render_summary(state: dict, kg: dict, files: list[str]) -> str:
     lines += [_suite_line("bench", suites.get("bench"))] + (["", "## Steps", ""] if state.get("steps") else [])
     lines += [f"- {x['name']}: {x['status']} ({_fmt_s(x.get('seconds'))})" + (f" [{x['log']}]" if x.get("log") else "")
               + (f" - {x['note']}" if x.get("note") else "") for x in state.get("steps") or []]
+    lines += ["", "## Report template", "", "```", *state["template"], "```"] if state.get("template") else []
     lines += ["", f"## Verdict: {status_text(kg)}", "", kg["reason"], "", "## Artifacts", ""]
     return "\n".join(lines + [f"- {f}" for f in files]) + "\n"

@@ -1,10 +1,9 @@
 """Which configuration cell a nox session installs, and installing it from its lock with its package index.
 
-The cell is NSA_CELL, else the Quick-start cell of the session's Python ([defaults.quickstart]). A Python
-without one, or a cell locked for another Python, stops the session naming the cell or Python to use. The
-GPU sessions also install the cell's flash-attn pin (locks/<cell>.flash-attn.txt: a wheel, or the source
-package compiled with nvcc here; NSA_FLASH_ATTN=0 leaves it out, and says so). `pip check` ends each install.
-"""
+The cell is NSA_CELL, else the Quick-start cell of the session's Python ([defaults.quickstart]); another Python,
+or a cell locked for another one, stops the session naming what to use, and so does an unreachable index. GPU
+sessions also install the flash-attn pin (locks/<cell>.flash-attn.txt: a wheel, or the source compiled with nvcc
+here; NSA_FLASH_ATTN=0 leaves it out, and says so). `pip check` ends each install."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def pip_args(matrix: Matrix, cell: Cell) -> list[str]:
 def unreachable(url: str, timeout: float = 5.0) -> str | None:
     """Why no TCP connection to `url`'s host (or proxy) opens within `timeout` s; pip would retry for minutes."""
     u = urlsplit(url)
-    proxy = None if urllib.request.proxy_bypass(u.hostname or "") else urllib.request.getproxies().get(u.scheme)
-    t = urlsplit(proxy) if proxy else u
+    t = u if urllib.request.proxy_bypass(u.hostname or "") else urlsplit(urllib.request.getproxies().get(u.scheme, url))
     try:
         socket.create_connection((t.hostname, t.port or (443 if t.scheme == "https" else 80)), timeout).close()
     except OSError as e:

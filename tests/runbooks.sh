@@ -2,7 +2,7 @@
 # The commands of the FA-2 enablement runbook and of the GPU test plan (the nsa-vibe documents;
 # docs/migration.md maps every one) that need no GPU, run literally as written, or as the successor
 # docs/migration.md names, from the repository root; each must exit 0 on a CPU machine. Slow (about
-# 15 minutes on 2 cores: the whole test suite and two decode benches), so not part of the fast suite:
+# 15 minutes on 2 cores: the whole test suite, the smokes and two decode benches), so not part of the fast suite:
 # CI runs it with `nox -s runbooks`, in the CPU cell's environment (python, pytest and uv on PATH).
 #
 #   bash tests/runbooks.sh            # all
@@ -17,6 +17,10 @@ only="${1:-}"
 py_env="$(python -c 'import sys; print(sys.prefix)')"
 export UV_NO_SYNC=1 UV_PROJECT_ENVIRONMENT="$py_env"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"  # the Triton kernels' CPU tests run interpreted, as in nox -s tests
+# The commands stay as written; their pytest runs spread over the cores where pytest-xdist is installed.
+if [ -z "${PYTEST_ADDOPTS+x}" ] && python -c 'import xdist' 2>/dev/null; then
+    export PYTEST_ADDOPTS="-n auto"
+fi
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"; rm -f "$ROOT/decode.csv" "$ROOT/decode.json" "$ROOT/decode_gpu_final.csv" "$ROOT/decode_gpu_final.json"' EXIT
 failed=()

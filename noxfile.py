@@ -30,9 +30,10 @@ nox.options.error_on_missing_interpreters = False
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The CPU test suite (pytest-xdist over the available cores). Extra args go to pytest."""
+    """The CPU test suite (pytest-xdist over the available cores): the library (tests/cpu), its environment
+    tooling (tests/tooling) and ci/ with the workflows (tests/ci). Extra args go to pytest."""
     install_cell(session)
-    args = session.posargs or ["tests/cpu", "-n", "auto", "-q"]
+    args = session.posargs or ["tests/cpu", "tests/tooling", "tests/ci", "-n", "auto", "-q"]
     session.run("python", "-m", "pytest", *args, env={"TRITON_INTERPRET": "1"})
 
 
@@ -58,16 +59,20 @@ def lock(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """Offline checks: actionlint (+shellcheck), workflow JSON schema, zizmor, hadolint, yamllint, ruff and
-    the project's workflow policy (ci/lint.py), then the self-tests that seed bad workflows. Tools come
-    from the hash-pinned requirements/locks/lint.txt. `-- --only zizmor,policy` runs a subset."""
+    the project's workflow policy (ci/lint.py); the import contracts of pyproject's [tool.importlinter]
+    (lint-imports: nsa imports no tooling, ci or bench code; the layers of nsa_env and ci); then the
+    self-tests that seed bad workflows and forbidden imports. Tools come from the hash-pinned
+    requirements/locks/lint.txt.
+    `-- --only zizmor,policy` runs a subset of ci/lint.py's checks (and nothing else)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
     session.run("python", "ci/lint.py", *session.posargs)
     if not session.posargs:
+        session.run("lint-imports", "--no-cache")
         # --noconftest/-o addopts: the lint venv has no torch; these tests need none.
         session.run(
             "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts=",
-            "tests/cpu/test_workflows.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
+            "tests/ci/test_workflows.py", "tests/ci/test_ci_layout.py", env={"NSA_REQUIRE_LINT_TOOLS": "1"},
         )
 
 
@@ -102,8 +107,9 @@ def images(session: nox.Session) -> None:
 # --- GPU suites (ci/sessions/gpu.py; docs/gpu-suites.md) -------------------------------------------------
 # One session definition for the four suites. Each fails on a machine with no GPU unless `-- --skip-no-gpu`
 # (or NSA_SKIP_NO_GPU=1) and writes artifacts/<commit>/<cell>/<gpu-slug>/ (summary.md, known_good.json,
-# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward and bench: all three, in one
-# invocation (one NSA_RUN_ID), and each within its time limit, are what a known-good run needs.
+# junit, logs). `-- --full`: long sweeps. `nox -t gpu` runs gpu_parity, backward, bench and sanitizer (below);
+# the first three, in one invocation (one NSA_RUN_ID), and each within its time limit, are what a known-good
+# run needs.
 GPU_SUITES = {
     "gpu_parity": "GPU parity: FA-2 cmp/win, Triton selection (when present), decode vs prefill, torch vs fp64 oracle.",
     "backward": "Gradient parity, fp64 gradcheck on CUDA, and the tiny model's training smoke (loss must fall).",
@@ -124,6 +130,20 @@ def _gpu_session(suite: str, doc: str) -> None:
 
 for _suite, _doc in GPU_SUITES.items():
     _gpu_session(_suite, _doc)
+
+
+@nox.session(tags=["gpu"])
+def sanitizer(session: nox.Session) -> None:
+    """compute-sanitizer memcheck over the GPU edge sweeps (tests/sanitizer/: the fused pipeline, the FA-2
+    branches, the Triton selection kernel, the decode kernels): fails on any memcheck error, and on a machine
+    without a CUDA GPU or compute-sanitizer unless `-- --skip-no-gpu` (or NSA_SKIP_NO_GPU=1). Other args go
+    to pytest (`-- -k decode`)."""
+    install_cell(session, flash_attn=True)  # the FA-2 sweep runs flash-attn where the cell has it
+    args = list(session.posargs)
+    skip = "--skip-no-gpu" in args or os.environ.get("NSA_SKIP_NO_GPU") == "1"
+    args = [a for a in args if a != "--skip-no-gpu"]
+    session.run("python", "-m", "pytest", "tests/sanitizer", "-q", "-p", "no:cacheprovider", *args,
+                env={"NSA_REQUIRE_SANITIZER": "0" if skip else "1"})
 
 
 @nox.session

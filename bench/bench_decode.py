@@ -86,9 +86,9 @@ from nsa.benchutil import (  # noqa: E402
     write_json,
 )
 from nsa.branches.compressed.naive import compressed_chunk  # noqa: E402
+from nsa.branches.decode.naive import torch_step_view  # noqa: E402
 from nsa.branches.selected.naive import selected_chunk, topn_chunk  # noqa: E402
 from nsa.branches.sliding.naive import sliding_chunk  # noqa: E402
-from nsa.decode import torch_step_view  # noqa: E402
 
 MODES = ("env", "cmp", "sel", "win", "all")
 PRESETS = {

@@ -34,13 +34,13 @@ from nsa.benchutil import env_metadata, time_fn, write_csv, write_json  # noqa: 
 from nsa.branches.compressed.fa2 import compressed_fa2  # noqa: E402
 from nsa.branches.compressed.naive import compressed_attention  # noqa: E402
 from nsa.branches.compressed.sdpa import compressed_sdpa  # noqa: E402
+from nsa.branches.context import CallContext  # noqa: E402
 from nsa.branches.sliding.fa2 import sliding_fa2  # noqa: E402
 from nsa.branches.sliding.naive import sliding_attention  # noqa: E402
 from nsa.branches.sliding.sdpa import sliding_sdpa  # noqa: E402
 from nsa.compress import compress_kv  # noqa: E402
-from nsa.kernels.fa2.base import CallContext  # noqa: E402
-from nsa.kernels.fa2.guards import gpu_class  # noqa: E402
 from nsa.layout import dense_layout  # noqa: E402
+from nsa.plan.rules import gpu_class  # noqa: E402
 from nsa.validation import Shapes  # noqa: E402
 
 TORCH_PATH_MAX_T = 16384
@@ -124,7 +124,7 @@ def main(argv=None):
             v = torch.randn(1, T, args.Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
             layout = dense_layout(1, T, cfg, dev)
             kc, vc = compress_kv(k, v, layout, cfg)
-            ctx = CallContext(Shapes(1, T, args.Hq, args.Hkv, D, D), q.dtype, dev, False)
+            ctx = CallContext(Shapes(1, T, args.Hq, args.Hkv, D, D), q.dtype, dev, False, kernel_dtype=q.dtype)
             scale = D ** -0.5
             with torch.no_grad():
                 for branch in ("cmp", "win"):

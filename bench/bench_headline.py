@@ -161,7 +161,7 @@ def seed_figures(device, slow, sync, clock, *, repeats: int) -> dict:
     from nsa.branches.sliding.fa2 import sliding_fa2
     from nsa.branches.sliding.sdpa import sliding_sdpa
     from nsa.compress import compress_kv
-    from nsa.kernels.fa2.base import CallContext
+    from nsa.branches.context import CallContext
     from nsa.kernels.flash_wrappers import flash_provider
     from nsa.layout import dense_layout
     from nsa.model.llama_block_nsa import LlamaBlockNSA

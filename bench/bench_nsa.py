@@ -150,11 +150,11 @@ def step_models(cfg, T, B, Hq, Hkv, Dk, Dv, idx=None):
 
 
 def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
-    """Each step of the fused pipeline alone, as nsa.pipeline.run_fused composes them."""
+    """Each step of the fused pipeline alone, as nsa.run.fused composes them."""
     from nsa import plan as planning
+    from nsa.branches.combine.naive import combine_torch
     from nsa.compress import compress_kv
     from nsa.layout import dense_layout
-    from nsa.pipeline import combine_torch
 
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]

@@ -3,8 +3,8 @@
 # on the GPU machine:
 #     OUT=/some/dir bash bench/gpu_decode_run.sh
 # Writes to $OUT: env.json, nvidia-smi.txt; pytest_decode.log + junit_decode.xml (GPU decode tests, mostly
-# Triton compiles, <= 240 s); sanitizer.log (compute-sanitizer memcheck over tests/gpu/decode_edge_sweep.py,
-# after one plain run that fills Triton's cache, <= 300 s); bench/decode_sweep.{csv,json} + bench.log
+# Triton compiles, <= 240 s); sanitizer.log (compute-sanitizer memcheck over tests/sanitizer/decode_edge_sweep.py,
+# after one plain run that fills Triton's cache, <= 350 s); bench/decode_sweep.{csv,json} + bench.log
 # (bench_decode.py --sweep: no new row after 140 s, the held-to cells first, <= 200 s); summary.txt (results
 # and the figures the step is held to). About 7 minutes typically, 12 at most. Exit status: non-zero when any
 # part failed; every part runs regardless.
@@ -19,17 +19,10 @@ timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
 tests_rc=${PIPESTATUS[0]}; [ "$tests_rc" -eq 0 ] || rc=1
 
 echo "== compute-sanitizer memcheck: decode edge sweep =="
-if command -v compute-sanitizer >/dev/null; then
-    # The sweep once without the sanitizer first: its kernels compile into Triton's cache at full speed
-    # (compiling under memcheck alone outran the time limit).
-    timeout 150 $PY tests/gpu/decode_edge_sweep.py > /dev/null 2>&1 || true
-    # No caching allocator: every tensor is its own allocation, so out-of-bounds accesses are caught.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 86 \
-        $PY tests/gpu/decode_edge_sweep.py > "$OUT/sanitizer.log" 2>&1
-    san_rc=$?
-else
-    echo "compute-sanitizer not found" > "$OUT/sanitizer.log"; san_rc=127
-fi
+# tests/sanitizer: the sweep under compute-sanitizer memcheck (its full output in $OUT/sanitizer/decode.log).
+NSA_REQUIRE_SANITIZER=1 NSA_SANITIZER_LOGS="$OUT/sanitizer" timeout 350 $PY -m pytest -q -p no:cacheprovider \
+    -rs "tests/sanitizer/test_memcheck.py::test_sweep_is_memcheck_clean[decode]" > "$OUT/sanitizer.log" 2>&1
+san_rc=$?
 [ "$san_rc" -eq 0 ] || rc=1
 tail -3 "$OUT/sanitizer.log"
 
@@ -49,7 +42,7 @@ try:
           f"errors={s.get('errors')} skipped={s.get('skipped')} time={float(s.get('time', 0)):.0f}s")
 except Exception as e:  # noqa: BLE001 - the summary must print whatever is missing
     print(f"GPU tests  rc={tests_rc}  junit unreadable: {e}")
-log = open(os.path.join(out, "sanitizer.log"), errors="replace").read()
+log = (open(p, errors="replace").read() if os.path.exists(p := os.path.join(out, "sanitizer", "decode.log")) else "")
 m = re.search(r"ERROR SUMMARY: (\d+) error", log)
 sweep = re.search(r"decode edge sweep: .*", log)
 print(f"sanitizer  rc={san_rc}  memcheck errors={m.group(1) if m else '?'}  {sweep.group(0) if sweep else ''}")

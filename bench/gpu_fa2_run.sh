@@ -16,14 +16,10 @@ NSA_TEST_FA2=1 timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
 tests_rc=${PIPESTATUS[0]}; [ "$tests_rc" -eq 0 ] || rc=1
 
 echo "== compute-sanitizer memcheck: edge sweep =="
-if command -v compute-sanitizer >/dev/null; then
-    # No caching allocator: every tensor is its own allocation, so out-of-bounds accesses are caught.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 86 \
-        $PY bench/fa2_edge_sweep.py > "$OUT/sanitizer.log" 2>&1
-    san_rc=$?
-else
-    echo "compute-sanitizer not found" > "$OUT/sanitizer.log"; san_rc=127
-fi
+# tests/sanitizer: the sweep under compute-sanitizer memcheck (its full output in $OUT/sanitizer/fa2.log).
+NSA_REQUIRE_SANITIZER=1 NSA_SANITIZER_LOGS="$OUT/sanitizer" timeout 200 $PY -m pytest -q -p no:cacheprovider \
+    -rs "tests/sanitizer/test_memcheck.py::test_sweep_is_memcheck_clean[fa2]" > "$OUT/sanitizer.log" 2>&1
+san_rc=$?
 [ "$san_rc" -eq 0 ] || rc=1
 tail -3 "$OUT/sanitizer.log"
 
@@ -44,7 +40,7 @@ try:
           f"errors={s.get('errors')} skipped={s.get('skipped')} time={float(s.get('time', 0)):.0f}s")
 except Exception as e:  # noqa: BLE001 - the summary must print whatever is missing
     print(f"GPU tests      rc={tests_rc}  junit unreadable: {e}")
-log = open(os.path.join(out, "sanitizer.log"), errors="replace").read()
+log = (open(p, errors="replace").read() if os.path.exists(p := os.path.join(out, "sanitizer", "fa2.log")) else "")
 m = re.search(r"ERROR SUMMARY: (\d+) error", log)
 print(f"sanitizer      rc={san_rc}  memcheck errors={m.group(1) if m else '?'}")
 try:

@@ -19,10 +19,10 @@ for part in $PARTS; do
         | tee "$OUT/pytest_nsa.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     sanitizer)
-      echo "== compute-sanitizer memcheck: bench/nsa_edge_sweep.py =="
-      timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 1 \
-        $PY bench/nsa_edge_sweep.py > "$OUT/sanitizer.log" 2>&1
-      s=$?; tail -5 "$OUT/sanitizer.log"; grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" | tail -1
+      echo "== compute-sanitizer memcheck: tests/sanitizer/nsa_edge_sweep.py =="
+      NSA_REQUIRE_SANITIZER=1 NSA_SANITIZER_LOGS="$OUT/sanitizer" timeout "${SAN_TIMEOUT:-300}" $PY -m pytest -q \
+        -p no:cacheprovider -rs "tests/sanitizer/test_memcheck.py::test_sweep_is_memcheck_clean[nsa]" > "$OUT/sanitizer.log" 2>&1
+      s=$?; tail -5 "$OUT/sanitizer.log"
       [ "$s" -eq 0 ] || rc=1 ;;
     bench)
       echo "== bench_nsa =="

@@ -2,7 +2,7 @@
 # The one GPU run of the Triton selection kernel. From the repo root on the GPU machine:
 #     OUT=/some/dir bash bench/gpu_triton_run.sh
 # Writes to $OUT: env.json, nvidia-smi.txt, pytest_triton_sel.log + junit_triton_sel.xml (GPU tests),
-# sanitizer.log (compute-sanitizer memcheck over bench/triton_sel_edge_sweep.py), bench/bench_sel_triton.{csv,json}
+# sanitizer.log (compute-sanitizer memcheck over tests/sanitizer/triton_sel_edge_sweep.py), bench/bench_sel_triton.{csv,json}
 # + bench.log, summary.txt. Time limits (seconds, overridable): TESTS_S=420, SANITIZER_S=120, BENCH_S=120
 # (the bench's own --max-seconds is BENCH_S - 40). SKIP=tests,sanitizer,bench skips parts, e.g. two calls
 # under a 10-minute limit: `SKIP=bench` then `SKIP=tests,sanitizer BENCH_S=540`.
@@ -24,14 +24,10 @@ fi
 
 if [[ ",$SKIP," != *,sanitizer,* ]]; then
     echo "== compute-sanitizer memcheck: Triton selection edge sweep =="
-    if command -v compute-sanitizer >/dev/null; then
-        # No caching allocator: every tensor is its own allocation, so out-of-bounds accesses are caught.
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$SANITIZER_S" compute-sanitizer --tool memcheck \
-            --error-exitcode 86 $PY bench/triton_sel_edge_sweep.py > "$OUT/sanitizer.log" 2>&1
-        san_rc=$?
-    else
-        echo "compute-sanitizer not found" > "$OUT/sanitizer.log"; san_rc=127
-    fi
+    # tests/sanitizer: the sweep under compute-sanitizer memcheck (its full output in $OUT/sanitizer/triton_sel.log).
+    NSA_REQUIRE_SANITIZER=1 NSA_SANITIZER_LOGS="$OUT/sanitizer" timeout "$SANITIZER_S" $PY -m pytest -q -p no:cacheprovider \
+        -rs "tests/sanitizer/test_memcheck.py::test_sweep_is_memcheck_clean[triton_sel]" > "$OUT/sanitizer.log" 2>&1
+    san_rc=$?
     [ "$san_rc" -eq 0 ] || rc=1
     tail -3 "$OUT/sanitizer.log"
 fi
@@ -55,7 +51,7 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"GPU tests  rc={tests_rc}  junit unreadable: {e}")
 try:
-    m = re.search(r"ERROR SUMMARY: (\d+) error", open(os.path.join(out, "sanitizer.log"), errors="replace").read())
+    m = re.search(r"ERROR SUMMARY: (\d+) error", (open(p, errors="replace").read() if os.path.exists(p := os.path.join(out, "sanitizer", "triton_sel.log")) else ""))
 except OSError:
     m = None
 print(f"sanitizer  rc={san_rc}  memcheck errors={m.group(1) if m else '?'}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +49,7 @@ VARIANTS = {
 def load(path: Path, edits, name: str):
     src = path.read_text().replace("from ... import", "from nsa import")
     src = src.replace("from . import", "from nsa.kernels.triton import")
+    src = re.sub(r"^from \.(\w)", r"from nsa.kernels.triton.\1", src, flags=re.M)  # from .common import ...
     for a, b in edits:
         if a not in src:
             raise SystemExit(f"variant {name!r}: text not found: {a[:60]!r}")

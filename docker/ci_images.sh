@@ -7,7 +7,7 @@
 #   gpu   the cell of the lent H100/H200 (cu130-torch2.11-py312) on nsa-base:noble (Ubuntu 24.04 with
 #         python3.12, gcc and the Python headers: the slim OS runtime base of GPU images), flash-attn left
 #         out (--without-flash-attn: compiling it takes hours); labels, installed set, `import torch,
-#         triton, nsa`, `python -m nsa.env` (no GPU here), and the size against a cudnn-runtime base
+#         triton, nsa`, `python -m nsa_env` (no GPU here), and the size against a cudnn-runtime base
 # Usage (root): docker/ci_images.sh [cpu] [gpu]   (default: both)   or   nox -s images -- --ci
 # Environment: PYTHON (default python3: needs pip and packaging), NSA_IMAGE_SMOKE (command run in the CPU
 #   container; default nox --no-venv -s cpu_smoke), NSA_CI_KEEP=1 keeps the temp dir (daemon data).
@@ -108,7 +108,7 @@ print(f"labels: all {len(want)} as planned" if not bad else f"labels that differ
 sys.exit(1 if bad else 0)
 PY
   # The image's installed set is its lock (plus flash-attn where the build installed it), exactly.
-  in_image "${image}" python -m nsa.env --check-lock /opt/nsa-image/installed.txt || fail "installed set vs lock"
+  in_image "${image}" python -m nsa_env --check-lock /opt/nsa-image/installed.txt || fail "installed set vs lock"
   report+=("${cell}|image=${image}" "${cell}|size_bytes=$("$DOCKER" image inspect --format '{{.Size}}' "${image}")"
            "${cell}|base_bytes=$("$DOCKER" image inspect --format '{{.Size}}' "${base}")")
 }
@@ -145,7 +145,7 @@ for kind in "${kinds[@]}"; do
       step "${cell}: import torch, triton, nsa; the environment report (no GPU here)"
       in_image "${image}" python -c "import torch, triton, nsa; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__, 'nsa', nsa.__version__)" \
         || fail "import torch, triton, nsa"
-      in_image "${image}" python -m nsa.env || fail "python -m nsa.env"
+      in_image "${image}" python -m nsa_env || fail "python -m nsa_env"
       # The CUDA and cuDNN libraries the torch wheels bring: what a cudnn-runtime base would hold a second time.
       nvidia_mb=$(in_image "${image}" sh -c 'du -sm /opt/venv/lib/python*/site-packages/nvidia | cut -f1')
       report+=("${cell}|nvidia_libs_mb=${nvidia_mb}")

@@ -3,8 +3,8 @@
 # then run the given command. NSA_ENV_REPORT=0 skips the report; NSA_ENV_REPORT=strict stops if it fails.
 set -eu
 if [ "${NSA_ENV_REPORT:-1}" != 0 ]; then
-  if ! python -m nsa.env >&2; then
-    echo "nsa-entrypoint: the environment report (python -m nsa.env) failed" >&2
+  if ! python -m nsa_env >&2; then
+    echo "nsa-entrypoint: the environment report (python -m nsa_env) failed" >&2
     if [ "${NSA_ENV_REPORT:-1}" = strict ]; then exit 1; fi
   fi
 fi

@@ -9,7 +9,7 @@
 #           rebuild of the image does not compile again.
 # The sha256 of the wheel installed is written to /opt/nsa-image/flash_attn.sha256 in every case but none,
 # and /opt/nsa-image/installed.txt (the lock, plus the flash-attn installed here) lists what the image must
-# hold exactly (`python -m nsa.env --check-lock /opt/nsa-image/installed.txt`).
+# hold exactly (`python -m nsa_env --check-lock /opt/nsa-image/installed.txt`).
 set -euo pipefail
 : "${FLASH_ATTN_SOURCE:=none}" "${FLASH_ATTN_VERSION:=}"
 : "${GPU_ARCHS:=}" "${TORCH_CUDA_ARCH_LIST:=}" "${MAX_JOBS:=4}" "${NVCC_THREADS:=2}" "${OFFLINE:=0}"

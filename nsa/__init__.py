@@ -1,6 +1,6 @@
 """Native Sparse Attention (NSA): exact reference, vectorized PyTorch, fast paths, decode cache.
 
-Public names load lazily (PEP 562) so that `python -m nsa.env` can still report on an environment
+Public names load lazily (PEP 562) so that `python -m nsa_env` can still report on an environment
 whose torch fails to import.
 """
 

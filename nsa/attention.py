@@ -55,8 +55,9 @@ class NSAAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, d_k: int, d_v: int,
                  config: NSAConfig | None = None, *, shared_kv: bool = False, rope_theta: float | None = 10000.0,
                  gate_hidden: int | None = None, backend: str = "auto", bias: bool = False,
-                 decode_backend: str | None = None):
+                 decode_backend: str | None = None, cp_group=None):
         super().__init__()
+        self.cp_group = cp_group  # context parallelism (docs/context-parallel.md); forward may override it
         if n_heads % n_kv_heads:
             raise NSAInputError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         if rope_theta is not None and d_k % 2:
@@ -118,16 +119,26 @@ class NSAAttention(nn.Module):
         return q, kv, gates
 
     def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None,
-                backend: str | None = None) -> torch.Tensor:
+                backend: str | None = None, cp_group=None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]. With a cache: prefill when it is empty, else decode T new tokens.
 
         Prefill of prompts of different lengths: x [1, total, dim] packed with cu_seqlens (int32
         [batch + 1]) into an empty cache of that batch; decode then takes x [batch, T, dim], each sequence
         at its own position (cache.cache_seqlens). `backend` (else the module's) routes the prefill; decode
         uses it too unless the module has a `decode_backend` (decode takes "auto", "torch", "triton").
+        cp_group (else the module's): x is this rank's slice of a sequence split over the group's ranks
+        (training and prefill without a cache; docs/context-parallel.md).
         """
         if x.dim() != 3:
             raise NSAInputError(f"x must be [B, T, dim], got shape {tuple(x.shape)}")
+        cp_group = cp_group if cp_group is not None else self.cp_group
+        if cp_group is not None:
+            if cache is not None:
+                raise NSAInputError("cp_group splits a sequence for training or prefill without a cache; "
+                                    "decode with a cache runs on one rank (pass cache=None or no cp_group)")
+            from .distributed.module import cp_forward
+
+            return cp_forward(self, x, cp_group, cu_seqlens=cu_seqlens, backend=backend or self.backend)
         B, T, _ = x.shape
         decoding = cache is not None and not cache.is_empty
         if decoding and cu_seqlens is not None:

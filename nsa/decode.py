@@ -1,122 +1,25 @@
-"""One decode step: each sequence's new token, its NSA output from the cache, equal to prefill at that position.
+"""The decode entry points: `nsa_decode` (one step: each sequence's new token, its NSA output from the cache,
+equal to prefill at that position) and `nsa_prefill` (outputs for the prompts, and the empty cache filled).
 
-Two implementations of the same step, chosen by `backend=` ("auto" | "torch" | "triton"):
-
-- torch: the per-chunk branch functions of prefill (nsa.branches.*.naive) on a chunk of one query per sequence, keys
-  from the cache (completed compressed blocks, the selected blocks of the raw K/V, the window ring).
-  Each sequence sits at its own position (`cache_seqlens`), expressed in per-sequence shifted
-  coordinates so that the prefill masks apply unchanged. Sizes come from the cache's host-side length
-  bound (no device sync); under CUDA-graph capture, from its capacity (static).
-- triton (nsa.kernels.triton.decode): five launches per step, no host sync, no allocation, static shapes
-  (capturable in a CUDA graph): append the token, compressed + window attention split over many
-  programs, selection scores + top-n candidates, selected attention, combine + gates.
-
-`plan_decode_backend` decides (and is the one place that does): a forced backend that cannot run raises
-NSAInputError with the reason; "auto" takes the kernels on CUDA when their guards pass, else torch, and
-every decision is counted in nsa.telemetry as (branch, backend, reason) for cmp, sel and win: reason
-"ok" / "forced" when the chosen path ran as asked, "decode" when torch ran because the kernels are not
-available here (CPU, no triton: the environment, not a fallback), or the failed guard's reason (a
-fallback). Guards: disabled (NSA_USE_TRITON_DECODE=0), sm_unsupported (< 8.0), dtype (fp16/bf16/fp32),
-head_dim (> 256), group_size (Hq/Hkv > 64), grad (inputs that need gradients: the kernels have no
-backward).
+Two implementations of a step, chosen by `backend=` ("auto" | "torch" | "triton"): torch (the prefill
+branches' per-chunk functions on the cache, nsa.branches.decode.naive) and triton (five launches per step,
+no host sync, no allocation, static shapes, capturable in a CUDA graph: nsa.branches.decode.triton).
+Planning decides (nsa.plan.plan_decode: a forced backend that cannot run raises NSAInputError with the
+reason; "auto" takes the kernels on CUDA when their guards pass), and every decision is counted in
+nsa.telemetry as (branch, backend, reason) for cmp, sel and win; nsa.run.decode_step runs it.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
-from . import telemetry
-from .branches.attend import compute_dtype
-from .branches.compressed.naive import compressed_chunk
-from .branches.selected.naive import selected_chunk, topn_chunk
-from .branches.sliding.naive import sliding_chunk
 from .cache import NSACache, n_cmp_blocks_dev
 from .config import NSAConfig
+from .plan import DECODE_BACKENDS, plan_decode
+from .run.decode_step import run_decode
 from .validation import NSAInputError, check_qkv
 
-DECODE_BACKENDS = ("auto", "torch", "triton")
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_MAX_HEAD_DIM = 256
-TRITON_MAX_GROUP = 64
-BRANCHES = ("cmp", "sel", "win")
-
-
-@dataclass
-class DecodeHooks:
-    """Test hooks of the routing: pretend a CUDA capability, or let the kernels take CPU tensors (interpreter)."""
-
-    capability: tuple[int, int] | None = None
-    allow_cpu: bool = False
-
-
-HOOKS = DecodeHooks()
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    backend: str  # "torch" or "triton"
-    reason: str  # telemetry reason
-    detail: str = ""
-
-
-def _triton_available(device: torch.device, forced: bool) -> tuple[bool, str]:
-    try:
-        from .kernels.triton import decode as _  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available", with the reason
-        return False, f"nsa.kernels.triton.decode does not import: {type(e).__name__}: {e}"
-    if device.type == "cuda" or HOOKS.allow_cpu:
-        return True, "ok"
-    if forced and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "Triton interpreter on CPU (TRITON_INTERPRET=1)"
-    return False, f"the Triton decode kernels run on CUDA tensors, got {device}" + (
-        " (forcing them on CPU needs TRITON_INTERPRET=1)" if forced else "")
-
-
-def _triton_guard(q, cache: NSACache, needs_grad: bool) -> tuple[str, str] | None:
-    """(reason, message) of the first failed guard of the Triton decode kernels, or None."""
-    from .kernels.device import device_capability
-    from .toggles import env_bool
-
-    if not env_bool("NSA_USE_TRITON_DECODE", True):
-        return "disabled", "NSA_USE_TRITON_DECODE=0"
-    cap = HOOKS.capability or (device_capability(q.device) if q.device.type == "cuda" else None)
-    if cap is not None and tuple(cap) < (8, 0):
-        return "sm_unsupported", f"sm {cap[0]}.{cap[1]}: the Triton decode kernels need sm >= 8.0"
-    if q.dtype not in TRITON_DTYPES:
-        return "dtype", f"the Triton decode kernels take fp16/bf16/fp32, got {q.dtype}"
-    if max(cache.d_k, cache.d_v) > TRITON_MAX_HEAD_DIM:
-        return "head_dim", f"head dim {max(cache.d_k, cache.d_v)} > {TRITON_MAX_HEAD_DIM}"
-    G = q.shape[2] // cache.n_kv_heads
-    if G > TRITON_MAX_GROUP:
-        return "group_size", f"{G} query heads per KV head > {TRITON_MAX_GROUP}"
-    if needs_grad:
-        return "grad", "inputs need gradients and the Triton decode kernels have no backward"
-    return None
-
-
-def plan_decode_backend(backend: str, q, cache: NSACache, *, needs_grad: bool = False) -> DecodePlan:
-    """Which implementation runs this decode step, and the telemetry reason. Raises when forced and impossible."""
-    if backend not in DECODE_BACKENDS:
-        raise NSAInputError(f"backend must be one of {DECODE_BACKENDS} for a decode step, got {backend!r}"
-                            + (" (that backend has no decode step of its own: NSAAttention takes decode_backend=)"
-                               if isinstance(backend, str) else ""))
-    if backend == "torch":
-        return DecodePlan("torch", "forced")
-    forced = backend == "triton"
-    ok, why = _triton_available(q.device, forced)
-    if not ok:
-        if forced:
-            raise NSAInputError(f"backend='triton' is not available here: {why}")
-        return DecodePlan("torch", "decode", why)  # the environment, not a fallback
-    fail = _triton_guard(q, cache, needs_grad)
-    if fail:
-        if forced:
-            raise NSAInputError(f"backend='triton' cannot run this decode step: {fail[0]}: {fail[1]}")
-        return DecodePlan("torch", fail[0], fail[1])
-    return DecodePlan("triton", "forced" if forced else "ok")
+plan_decode_backend = plan_decode  # the name this decision had before planning moved into nsa.plan
 
 
 def _check_step(q, k, v, gates, cache: NSACache, cfg, kv_cmp, kv_win, compress_fn, out):
@@ -164,88 +67,15 @@ def nsa_decode(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None,
     cfg = config or cache.config
     tokens = _check_step(q, k, v, gates, cache, cfg, kv_cmp, kv_win, compress_fn, out)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, gates, *tokens))
-    plan = plan_decode_backend(backend, q, cache, needs_grad=needs_grad)
-    served = "triton_decode" if plan.backend == "triton" else "torch"
-    for branch in BRANCHES:
-        telemetry.record(branch, served, plan.reason, **({"detail": plan.detail} if plan.detail else {}))
-    if plan.backend == "triton":
-        from .kernels.triton.decode import decode_step_triton
-
-        res, indices = decode_step_triton(q, gates, cache, tokens, compress_fn, out=out,
-                                          want_indices=return_indices or return_stats)
-        cache.commit_step(on_device=False)  # the last kernel published the new lengths
-    else:
-        res, indices = _decode_torch(q, gates, cache, tokens, compress_fn)
-        if out is not None:
-            out.copy_(res)
-            res = out
-        cache.commit_step()
+    plan = plan_decode(backend, q, cache, needs_grad=needs_grad, record=True)
+    res, indices = run_decode(plan, q, gates, cache, tokens, compress_fn, out=out,
+                              want_indices=return_indices or return_stats)
     result = [res]
     if return_indices:
         result.append(indices)
     if return_stats:
         result.append(step_stats(cache, indices))
     return result[0] if len(result) == 1 else tuple(result)
-
-
-@dataclass
-class TorchStepView:
-    """What the torch step's branch calls see of the cache after the append (module doc: shifted coordinates)."""
-
-    qc: torch.Tensor  # [B, 1, Hkv, G, Dk] in the compute dtype
-    pos: torch.Tensor  # [B, 1] each sequence's new position t
-    seq_start: torch.Tensor  # [B, 1] ref - t: sequence b starts there in shifted coordinates
-    t_glob: torch.Tensor  # [1] = ref, the new tokens' shared shifted position
-    cmp_local: torch.Tensor  # [B, n] start of each compressed block within its sequence
-    n_cmp: int  # compressed blocks any sequence can see (static)
-    n_sel_blocks: int  # selection blocks any sequence can see (static)
-    win_key_pos: torch.Tensor  # [B, W] shifted position held by each window slot (-1: empty)
-    scale: float
-
-
-def torch_step_view(q, cache: NSACache) -> TorchStepView:
-    cfg = cache.config
-    B, _, Hq, Dk = q.shape
-    device = q.device
-    # Static sizes: everything a sequence of at most `n_tok` tokens can see (the capacity while a CUDA graph
-    # is captured, so that the replay serves every later step).
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    n_tok = cache.max_len if capturing else min(cache.max_seqlen_bound + 1, cache.max_len)
-    n = min(cfg.n_cmp_blocks(n_tok), cache.cmp_capacity)
-    t = cache.cache_seqlens.long()  # position of each sequence's new token
-    ref = cache.max_len - 1  # sequence b starts at ref - t_b, so its new token sits at ref
-    seq_start = (ref - t)[:, None]
-    win = cache.window_positions(t)
-    return TorchStepView(
-        qc=q.to(compute_dtype(q.dtype)).unflatten(2, (cache.n_kv_heads, Hq // cache.n_kv_heads)),
-        pos=t[:, None], seq_start=seq_start, t_glob=torch.full((1,), ref, device=device, dtype=torch.long),
-        cmp_local=(torch.arange(n, device=device) * cfg.stride_cmp)[None].expand(B, n), n_cmp=n,
-        n_sel_blocks=cfg.n_sel_blocks(n_tok),
-        win_key_pos=torch.where(win >= 0, seq_start + win, torch.full_like(win, -1)),
-        scale=cfg.softmax_scale(Dk))
-
-
-def _decode_torch(q, gates, cache: NSACache, tokens, compress_fn):
-    """The step with the prefill branch functions. Returns (out [B, 1, Hq, Dv], indices int32 [B, 1, Hkv, n])."""
-    cfg = cache.config
-    cache.append_step(*tokens, compress_fn=compress_fn)
-    B = q.shape[0]
-    sv = torch_step_view(q, cache)
-    ct, n = sv.qc.dtype, sv.n_cmp
-    valid = torch.ones(B, n, dtype=torch.bool, device=q.device)
-    k_cmp = cache.k_cmp[:, :n].to(ct)
-    cmp_start = sv.seq_start + sv.cmp_local
-    o_cmp, lse = compressed_chunk(sv.qc, k_cmp, cache.v_cmp[:, :n].to(ct), cmp_start, valid, sv.t_glob, sv.seq_start,
-                                  cfg, sv.scale)
-    indices = topn_chunk(sv.qc, k_cmp, lse, cmp_start, sv.cmp_local, valid, sv.t_glob, sv.seq_start,
-                         sv.n_sel_blocks, cfg, sv.scale)
-    o_sel = selected_chunk(sv.qc, cache.k_sel, cache.v_sel, indices, sv.pos, torch.zeros_like(sv.pos), cfg, sv.scale)
-    o_win = sliding_chunk(sv.qc, cache.k_win.to(ct), cache.v_win.to(ct), sv.win_key_pos, sv.t_glob, sv.seq_start, cfg,
-                          sv.scale)
-    g = gates.to(ct)
-    out = (g[..., 0:1] * o_cmp.flatten(2, 3) + g[..., 1:2] * o_sel.flatten(2, 3)
-           + g[..., 2:3] * o_win.flatten(2, 3)).to(q.dtype)
-    return out, indices.to(torch.int32)
 
 
 def step_stats(cache: NSACache, indices) -> dict:
@@ -298,3 +128,5 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
                         compress_fn=compress_fn, backend=backend)
     cache.write(k, v, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, cu_seqlens=cu_seqlens)
     return out
+
+__all__ = ["DECODE_BACKENDS", "nsa_decode", "nsa_prefill", "plan_decode_backend", "step_stats"]

@@ -1,4 +1,4 @@
-"""nsa_attention: the functional API. Validate the inputs, plan once (nsa.plan), run the plan (nsa.pipeline).
+"""nsa_attention: the functional API. Validate the inputs, plan once (nsa.plan), run the plan (nsa.run).
 
 `backend="auto"`: every step goes to the fastest implementation that can serve it here: on a GPU the
 fused pipeline (compressed and sliding branches on FlashAttention-2, top-n and selected attention on
@@ -13,14 +13,14 @@ from __future__ import annotations
 from . import telemetry
 from .config import NSAConfig
 from .layout import dense_layout, packed_layout
-from .pipeline import run
 from .plan import BACKENDS, make_plan
+from .run import run
 from .validation import NSAInputError, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
 
 
 def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_indices=None,
                   return_indices=False, backend="auto", kv_cmp=None, kv_win=None, compress_fn=None,
-                  chunk_size=None):
+                  chunk_size=None, cp_group=None):
     """Native Sparse Attention.
 
     q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], gates [B, T, Hq, 3] (cmp, sel, win; in
@@ -31,8 +31,17 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
     kv_cmp / kv_win: (k, v) for the compressed / sliding branches when they have their own projections
     (k, v then serve the selected branch). compress_fn: (phi_k, phi_v) for config.compress == "mlp".
     chunk_size: queries per chunk of the chunked PyTorch path (default: sized from a memory budget).
+    cp_group: context parallelism: a ProcessGroup, DeviceMesh (dimension) or nsa.distributed.ContextParallel
+    over whose ranks the sequence is split; every tensor is then this rank's slice, cu_seqlens the whole
+    stream's offsets (docs/context-parallel.md).
     Returns out [B, T, Hq, Dv] in q's dtype (and the indices when asked).
     """
+    if cp_group is not None:
+        from .distributed import cp_nsa_attention
+
+        return cp_nsa_attention(q, k, v, gates, config, cp_group=cp_group, cu_seqlens=cu_seqlens,
+                                block_indices=block_indices, return_indices=return_indices, backend=backend,
+                                kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, chunk_size=chunk_size)
     if not isinstance(config, NSAConfig):
         raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
     if backend not in BACKENDS:

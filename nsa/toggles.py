@@ -75,7 +75,7 @@ class Toggles:
     use_triton_sel: bool = True  # NSA_USE_TRITON_SEL: 0 keeps the selection branch on torch
     triton_sel_force: bool = False  # NSA_TRITON_SEL_FORCE: override the Ada (sm 8.9) default-off policy
     sel_allow_grad: bool = True  # NSA_SEL_TRITON_ALLOW_GRAD: 0 keeps sel on torch when gradients are needed
-    sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.kernels.triton.provider.DEFAULT_MIN_L)
+    sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.plan.rules.TRITON_MIN_L)
     use_triton_topn: bool = True  # NSA_USE_TRITON_TOPN: 0 keeps the top-n step on torch
     sel_backend: str = "auto"  # NSA_SEL_BACKEND: auto | torch | triton_sel (triton_sel = forced)
 

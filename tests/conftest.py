@@ -28,6 +28,15 @@ def gen(request) -> torch.Generator:
     return g
 
 
+@pytest.fixture(scope="module")
+def data() -> dict:
+    """requirements/matrix.toml as parsed TOML (tests deep-copy it before editing): the tests of ci/ and of the
+    environment tooling."""
+    from ci import matrix as mx
+    from ci.matrix import tomllib
+
+    with mx.DEFAULT_PATH.open("rb") as f:
+        return tomllib.load(f)
 # The seeds' test names (nsa-vibe) as -k keywords of the files that test the same thing now, so their
 # selectors keep selecting what they meant (docs/migration.md has the full list of old names and paths).
 SEED_KEYWORDS = {

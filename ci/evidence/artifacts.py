@@ -161,16 +161,16 @@ def run_logged(cmd: list[str], log: Path, *, env: dict | None = None, cwd: Path 
 
 
 def collect_env(python: str, out: Path, *, env: dict | None = None) -> dict:
-    """Write env.json from `python -m nsa.env --json`; on failure write (and return) the failure itself."""
+    """Write env.json from `python -m nsa_env --json`; on failure write (and return) the failure itself."""
     rc, stdout, stderr, report = -1, "", "", None
     try:
-        p = subprocess.run([python, "-m", "nsa.env", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+        p = subprocess.run([python, "-m", "nsa_env", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
         report = json.loads(stdout) if rc == 0 else None
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         stderr = f"{e}: {stdout[:500]}\n{stderr}"
-    report = report or {"error": "`python -m nsa.env --json` failed", "returncode": rc, "stderr": stderr[-4000:],
+    report = report or {"error": "`python -m nsa_env --json` failed", "returncode": rc, "stderr": stderr[-4000:],
                         "python": {"executable": python}}
     report.setdefault("host", socket.gethostname())
     out.write_text(json.dumps(report, indent=2) + "\n")

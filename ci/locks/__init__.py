@@ -27,14 +27,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.utils import canonicalize_name
 
-from ci.matrix import Cell, Matrix
+from ci.matrix import Cell, Matrix, universal_targets
+
+# The one lock parser, shipped with nsa for `nsa-env --check-lock` (found in the checkout here).
+from nsa_env.lockfile import LockError, Pinned, iter_lock, logical_lines, parse_lock  # noqa: F401
 
 LOCK_FORMAT = 1
 UNIVERSAL_PYTHON = "3.10"  # bootstrap and tools locks resolve for every Python from this one up
@@ -47,56 +47,6 @@ FORBIDDEN = [(re.compile(r"file:"), "a file: URL"),
 # The only requirement form a lock may hold (`pip install --require-hashes --no-deps` takes it as it is).
 STRICT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+(\s*;[^;]*?)?(\s+--hash=sha256:[0-9a-f]{64})+")
 SEAL = "# lock-sha256: "
-
-
-class LockError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Pinned:
-    """One requirement line of a hash-pinned lock (pip-tools format)."""
-
-    name: str  # canonical (PEP 503)
-    version: str  # for `name @ URL` wheels: the version in the wheel's file name
-    url: str
-    marker: str
-    hashes: tuple[str, ...]
-
-
-def logical_lines(text: str):
-    """(line number, line) of each requirement or option: comments dropped, continuation lines joined."""
-    end = 0
-    for chunk in re.split(r"(?<!\\)\n", text):
-        start, end = end + 1, end + chunk.count("\n") + 1
-        line = re.sub(r"\s*\\\n\s*", " ", chunk).strip()
-        if line and not line.startswith("#"):
-            yield start, line.split(" #", 1)[0].strip()
-
-
-def iter_lock(text: str):
-    """Every requirement of a lock: `name==version [; marker]` then `--hash=sha256:...` lines, or
-    `name @ URL`. A universal lock lists a name once per environment marker: each line is yielded."""
-    for _, line in logical_lines(text):
-        if line.startswith("-"):  # pip options: lint_lock's
-            continue
-        spec, *options = re.split(r"\s+(?=--)", line)
-        try:
-            req = Requirement(spec)
-            exact = [s.version for s in req.specifier if s.operator == "=="]
-            if not req.url and (len(exact) != 1 or len(req.specifier) != 1):
-                raise ValueError("not pinned to exactly one version")
-            # A URL's version is its wheel's (InvalidWheelFilename, a ValueError, for anything but a wheel).
-            version = str(parse_wheel_filename(unquote(req.url.rsplit("/", 1)[-1]))[1]) if req.url else exact[0]
-        except (InvalidRequirement, ValueError) as e:
-            raise LockError(f"unparseable lock line: {line[:100]!r} ({e})") from None
-        hashes = tuple(o.split(":", 1)[1] for o in options if o.startswith("--hash=sha256:"))
-        yield Pinned(canonicalize_name(req.name), version, req.url or "", str(req.marker or ""), hashes)
-
-
-def parse_lock(text: str) -> dict[str, Pinned]:
-    """name -> requirement (for a universal lock, the last line of a name wins)."""
-    return {r.name: r for r in iter_lock(text)}
 
 
 def lint_lock(text: str) -> list[str]:
@@ -165,14 +115,6 @@ def universal_digest(in_file: Path) -> str:
 
 def lock_path(matrix: Matrix, cell_id: str) -> Path:
     return matrix.path.parent / "locks" / f"{cell_id}.txt"
-
-
-def universal_targets(matrix: Matrix) -> dict[str, tuple[Path, Path]]:
-    """Locks that are not cells (bootstrap, developer tools, lint): name -> (input, lock), from the
-    matrix's [defaults.tool_locks] (paths relative to requirements/)."""
-    req = matrix.path.parent
-    table = matrix.defaults.get("tool_locks", {"bootstrap": "bootstrap.txt"})
-    return {name: (req / f"{name}.in", req / rel) for name, rel in table.items()}
 
 
 # --- downloading -----------------------------------------------------------------------------------

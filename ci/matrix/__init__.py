@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+# torch's triton pin as a SpecifierSet: the rule nsa-env applies to an installed triton (no torch import).
+from nsa_env.upstream import pin_specifier  # noqa: F401  (ci.matrix.pin_specifier for explain.py)
 
 try:
     import tomllib
@@ -191,14 +193,6 @@ def flash_wheel_published(upstream: dict[str, Any], version: str, torch_mm: str,
     return True, ""
 
 
-def pin_specifier(pin: str) -> SpecifierSet:
-    """torch's triton pin as a SpecifierSet: a bare version ("3.6.0") means ==, else a PEP 440 specifier
-    ("~=3.8.0", ">=3.8,<3.9"). The same rule as nsa.upstream.pin_specifier, which ships with nsa; this
-    copy keeps ci/ free of importing nsa (and so torch)."""
-    pin = pin.strip()
-    return SpecifierSet(pin if pin[:1] in "<>=!~" else f"=={pin}")
-
-
 def cxx_std(entry: dict[str, Any]) -> int:
     """The C++ standard a torch's headers need, or a flash-attn release compiles with (17 when unrecorded)."""
     return int(entry.get("cxx_std", 17))
@@ -330,7 +324,7 @@ def _triton_problems(c: Cell, t: dict[str, Any]) -> list[str]:
             f"torch {c.torch_public} requires no triton on Python {c.python}: triton must be 'none'"]
     try:
         spec = pin_specifier(pin)
-    except InvalidSpecifier:
+    except ValueError:
         return [f"[upstream.torch.\"{c.torch_public}\"] triton {pin!r} is neither a version nor a specifier"]
     try:
         exact = Version(c.triton)
@@ -399,3 +393,11 @@ def validate(matrix: Matrix) -> list[str]:
     return problems + [f"defaults.layers names {layer!r} but {layer}.in does not exist beside the matrix"
                        for layer in matrix.layers
                        if matrix.path.name == "matrix.toml" and not (matrix.path.parent / f"{layer}.in").exists()]
+
+
+def universal_targets(matrix: Matrix) -> dict[str, tuple[Path, Path]]:
+    """Locks that are not cells (bootstrap, developer tools, lint): name -> (input, lock), from the
+    matrix's [defaults.tool_locks] (paths relative to requirements/)."""
+    req = matrix.path.parent
+    table = matrix.defaults.get("tool_locks", {"bootstrap": "bootstrap.txt"})
+    return {name: (req / f"{name}.in", req / rel) for name, rel in table.items()}

@@ -1,10 +1,10 @@
-"""Generate nsa/upstream.json, the upstream facts `nsa-env doctor` needs, from requirements/matrix.toml.
+"""Generate nsa_env/upstream.json, the upstream facts `nsa-env doctor` needs, from requirements/matrix.toml.
 
     python -m ci.matrix.facts --write    # regenerate after editing the matrix (commit both)
-    python -m ci.matrix.facts --check    # exit 1 if the shipped file is stale (tests/cpu does this too)
+    python -m ci.matrix.facts --check    # exit 1 if the shipped file is stale (tests/tooling does this too)
 
-The doctor runs where no checkout exists (an installed wheel), so the facts travel inside the package: the
-[upstream.*] tables, each flash-attn release's wheels spelled out by ci.matrix's rules (nsa has no copy of them),
+The doctor runs where no checkout exists (an installed wheel), so the facts travel inside nsa_env: the
+[upstream.*] tables, each flash-attn release's wheels spelled out by ci.matrix's rules (nsa_env has no copy of them),
 the cells. A release whose wheel set is unknown goes under `flash_attn_unlisted`, lest it read as one without any.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from ci.matrix import DEFAULT_PATH, ROOT, Matrix, flash_wheel_name, flash_wheel_published, flash_wheel_url, load
 
-OUT = ROOT / "nsa" / "upstream.json"
+OUT = ROOT / "nsa_env" / "upstream.json"
 KEYS = ("torch", "cuda_major", "python", "cxx11abi")  # what tells one flash-attn wheel of a release from another
 
 

@@ -1,7 +1,7 @@
 """What PyPI has that is newer than the configuration matrix and the tool locks.
 
     python -m ci.matrix.outdated            # or: nox -s lock -- --outdated
-    python -m ci.matrix.outdated --record tests/cpu/data/pypi   # save PyPI's answers, trimmed, for the tests
+    python -m ci.matrix.outdated --record tests/ci/data/pypi   # save PyPI's answers, trimmed, for the tests
 
 Asks PyPI's JSON API (https://pypi.org/pypi/<name>/json; NSA_PYPI_JSON_URL for a mirror of it) about torch
 (patch releases of the matrix's minors: cells to move; newer minors: cells to add, per CPython with a Linux
@@ -28,8 +28,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from ci.locks import iter_lock, universal_targets
-from ci.matrix import DEFAULT_PATH, Matrix, MatrixError, load
+from ci.matrix import DEFAULT_PATH, Matrix, MatrixError, load, universal_targets
+from nsa_env.lockfile import iter_lock
 
 PYPI_JSON = "https://pypi.org/pypi"
 KEEP_OLDER = 4  # `record` keeps at least a package's last few final releases

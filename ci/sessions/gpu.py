@@ -159,12 +159,13 @@ def make_context(python: str, opts: Options, env: dict, gpu_info: dict, log=prin
         run.state["env"].update(gpus=gpu_info["names"], gpu=gpu_info["names"][0], gpu_count=len(gpu_info["names"]))
     ctx = Ctx(python=python, opts=opts, env=env, run=run, gpus=max(1, int(gpu_info.get("count", 1))), log=log)
     check = cached.get("lock_check")
-    try:  # a file of the set is named after the cell and given relative to its folder: nsa.env reads the build
+    try:  # a file of the set is named after the cell and given relative to its folder: nsa-env reads the build
         # variant (cu130) from the name's start, so that a +cu130 torch is not counted as drift
         expected = expected_set(cell, report, run.path)
         if check is None:
-            p = subprocess.run([python, "-m", "nsa.env", "--check-lock", expected, "--json"], env=ctx.child_env(),
-                               cwd=run.path if expected != cell else ROOT, capture_output=True, text=True, timeout=300)
+            p = subprocess.run([python, "-m", "nsa_env", "--check-lock", expected, "--json"], env=ctx.child_env(),
+                               cwd=run.path if expected != cell else ROOT, capture_output=True, text=True,
+                               timeout=300)
             check = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {"error": p.stderr.strip()[-500:]}
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         check = {"error": str(e)}

@@ -13,7 +13,7 @@ in it with `VENV/bin/nox --no-venv -s gpu_parity backward bench`.
     python -m ci.sessions.overlay make CELL VENV --wheels DIR [--python PY]
 
 `--have` is the host's `pip list --format=freeze`, so that a machine that reaches PyPI can fetch the wheels
-for a GPU host that does not. Which packages differ is decided by `nsa.env.check_lock`, the function the
+for a GPU host that does not. Which packages differ is decided by `nsa_env.drift.check_lock`, the function the
 GPU sessions' verdict uses (a torch 2.11.0+cu130 matches a cu130 cell's 2.11.0).
 """
 
@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 
 from ci.locks import download_wheels, lock_path, parse_lock
 from ci.matrix import load
-from nsa.env import check_lock
+from nsa_env.drift import check_lock
 
 MARKER = "nsa-overlay.json"
 SITES_CODE = ("import json, os, sys; print(json.dumps([p for p in sys.path if os.path.basename(p) in "
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def installed(python: str) -> dict[str, str]:
-    """name -> version of what `python` imports: nsa.env's view (the first on sys.path wins, as for imports)."""
-    code = "import json, nsa.env as e; print(json.dumps(e.installed_distributions()))"
+    """name -> version of what `python` imports: nsa-env's view (the first on sys.path wins, as for imports)."""
+    code = "import json, nsa_env.drift as e; print(json.dumps(e.installed_distributions()))"
     return json.loads(subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 DEFAULT_JOBS = ["tests", "smoke"]
 REHEARSED_PYTHON = "3.11"
-DEFAULT_PYTEST_ARGS = "tests/cpu/test_workflows.py -q -x"  # fast and meaningful; .ci/run runs the full suite
+DEFAULT_PYTEST_ARGS = "tests/ci/test_workflows.py -q -x"  # fast and meaningful; .ci/run runs the full suite
 KEPT_ACTIONS = ("actions/checkout",)  # remote actions act would fetch from GitHub: only checkout is kept
 HOST = ["-P", "ubuntu-latest=-self-hosted", "--container-daemon-socket", "-"]
 SHA = "0123456789abcdef0123456789abcdef01234567"

@@ -1,5 +1,5 @@
-"""Device facts shared by every kernel's guards: a failed guard (reason code + message) and the GPU's
-compute capability (cached per device index)."""
+"""Device facts shared by the kernels and the guards of planning: a failed guard (reason code + message)
+and the GPU's compute capability (cached per device index)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ package alone. The probes do not read the NSA_USE_FA2* toggles: they say what co
 
 "Can run here" means: the package imports, exposes the entry point, torch sees a CUDA GPU, and the GPU
 is sm >= 8.0 (FlashAttention-2 has no kernels for older GPUs). Each probe has a *_status() twin that
-returns (ok, reason) for reports (`python -m nsa.env`). The import attempt is made once and cached:
+returns (ok, reason) for reports (`python -m nsa_env`). The import attempt is made once and cached:
 a failing flash_attn import (e.g. "undefined symbol" from a wheel built for another torch) is recorded
 with its message, never raised. reset_probes() forgets the cache (tests).
 """

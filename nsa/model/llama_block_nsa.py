@@ -75,8 +75,9 @@ class LlamaBlockNSA(nn.Module):
     def new_cache(self, batch: int, max_len: int, *, device=None, dtype=None) -> NSACache:
         return self.attn.new_cache(batch, max_len, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cache)
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None) -> torch.Tensor:
+        """x [B, T, dim]; cu_seqlens: documents packed along T (B == 1), as in NSAAttention.forward."""
+        h = x + self.attn(self.attn_norm(x), cache, cu_seqlens=cu_seqlens)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -120,15 +121,17 @@ class TinyNSALM(nn.Module):
         return bounds.pop()[0]
 
     # -- forward --------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, caches: list[NSACache] | None = None) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab]. caches: see the module docstring."""
+    def forward(self, tokens: torch.Tensor, caches: list[NSACache] | None = None, *,
+                cu_seqlens=None) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab]. caches: see the module docstring. cu_seqlens: int32
+        offsets of documents packed along T (B == 1); attention stays inside each document."""
         if tokens.dim() != 2:
             raise NSAInputError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         if caches is not None:
             self._check_caches(caches)
         x = self.embed(tokens)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, caches[i] if caches is not None else None)
+            x = blk(x, caches[i] if caches is not None else None, cu_seqlens=cu_seqlens)
         return self.head(self.norm(x))
 
     def prefill(self, tokens: torch.Tensor, caches: list[NSACache]) -> torch.Tensor:

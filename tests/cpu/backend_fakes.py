@@ -1,15 +1,17 @@
-"""Fixtures of the backend tests: emulated FA-2 providers installed into the planner (CPU, fp64)."""
+"""Fixtures of the backend tests: emulated FA-2 providers installed into the planner through its test hooks
+(nsa.hooks.HOOKS; CPU, fp64)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nsa import plan, telemetry
+from nsa import telemetry
+from nsa.hooks import HOOKS
 from nsa.kernels.fa2.flash_attn import FlashAttnProvider
 from nsa.kernels.fa2.torch_cudnn import TorchCudnnProvider
 from nsa.kernels.fa2.torch_flash import TorchFlashProvider
-from nsa.kernels.sdpa import SdpaProvider
+from nsa.plan.providers import SdpaProvider
 
 from . import fa2_emulation as emulate
 
@@ -50,7 +52,7 @@ def fakes(clean_env):
     """All three providers available on CPU: flash_attn and torch_flash emulated, sdpa real."""
     provs = {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"), "sdpa": SdpaProvider()}
     provs["sdpa"].available_override = (True, "test")
-    clean_env.setattr(plan, "PROVIDERS", provs)
+    clean_env.setattr(HOOKS, "providers", provs)
     clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
     clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
     return provs

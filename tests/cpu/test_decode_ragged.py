@@ -15,8 +15,8 @@ import torch
 from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err
 from torch.overrides import TorchFunctionMode
 
-from nsa import NSAAttention, NSACache, NSAConfig, NSAInputError, nsa_decode, nsa_prefill, telemetry
-from nsa import decode as decode_mod
+from nsa import NSAAttention, NSACache, NSAConfig, NSAInputError, nsa_decode, nsa_prefill, plan, telemetry
+from nsa.branches.decode import naive as decode_naive
 
 CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_local=2, window=16)
 # prompt lengths: an empty one, one crossing the first block (t = 7) and selection block (t = 8), one crossing
@@ -206,17 +206,17 @@ def test_failure_after_the_append_leaves_the_cache_consistent(gen, monkeypatch):
     case = make_case(gen, CFG, [15, 30], 3, 4, 2, 8, 6)
     cache = prefill_cache(case)
     want, want_idx = expected(case)
-    real = decode_mod.selected_chunk
+    real = decode_naive.selected_chunk
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(decode_mod, "selected_chunk", boom)
+    monkeypatch.setattr(decode_naive, "selected_chunk", boom)
     f, row = case.full, decode_rows(case)[0]
     with pytest.raises(RuntimeError, match="injected"):
         nsa_decode(*(f[n][0, row][:, None] for n in "qkvg"), cache)
     assert cache.cache_seqlens.tolist() == [15, 30] and cache.host_seqlens() == [15, 30]
-    monkeypatch.setattr(decode_mod, "selected_chunk", real)
+    monkeypatch.setattr(decode_naive, "selected_chunk", real)
     got, idx = decode_all(case, cache, "torch")
     assert torch.equal(idx, want_idx) and rel_err(got, want) <= 1e-12
 
@@ -251,10 +251,10 @@ def _counts():
 def clean(monkeypatch):
     monkeypatch.delenv("NSA_USE_TRITON_DECODE", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    saved = (decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu)
+    saved = (plan.TRITON["decode"].capability, plan.TRITON["decode"].allow_cpu)
     telemetry.reset()
     yield
-    decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu = saved
+    plan.TRITON["decode"].capability, plan.TRITON["decode"].allow_cpu = saved
 
 
 def test_auto_on_cpu_runs_torch_as_the_environment(gen, clean):
@@ -273,11 +273,11 @@ def test_forced_torch(gen, clean):
 
 @pytest.mark.parametrize("setup,dtype,reason", [
     (lambda mp: mp.setenv("NSA_USE_TRITON_DECODE", "0"), torch.float32, "disabled"),
-    (lambda mp: setattr(decode_mod.HOOKS, "capability", (7, 5)), torch.float32, "sm_unsupported"),
+    (lambda mp: setattr(plan.TRITON["decode"], "capability", (7, 5)), torch.float32, "sm_unsupported"),
     (lambda mp: None, torch.float64, "dtype"),
 ])
 def test_guard_fallback_is_counted_and_forced_raises(gen, clean, monkeypatch, setup, dtype, reason):
-    decode_mod.HOOKS.allow_cpu = True  # pretend the kernels could run here: only the guard decides
+    plan.TRITON["decode"].allow_cpu = True  # pretend the kernels could run here: only the guard decides
     setup(monkeypatch)
     _, cache = _small_cache(gen, max_len=10, dtype=dtype)
     q, k, v, g = _token(gen, 2, dtype=dtype)
@@ -291,14 +291,14 @@ def test_guard_fallback_is_counted_and_forced_raises(gen, clean, monkeypatch, se
 
 
 def test_group_size_and_grad_guards(gen, clean):
-    decode_mod.HOOKS.allow_cpu = True
+    plan.TRITON["decode"].allow_cpu = True
     cache = NSACache(CFG, 1, 4, 1, 8, 8)
     q = torch.randn(1, 1, 65, 8)
-    assert decode_mod.plan_decode_backend("auto", q, cache).reason == "group_size"
+    assert plan.plan_decode("auto", q, cache).reason == "group_size"
     q = torch.randn(1, 1, 4, 8)
-    plan = decode_mod.plan_decode_backend("auto", q, cache, needs_grad=True)
-    assert (plan.backend, plan.reason) == ("torch", "grad")
-    assert decode_mod.plan_decode_backend("auto", q, cache).backend == "triton"
+    step = plan.plan_decode("auto", q, cache, needs_grad=True)
+    assert (step.backend, step.reason) == ("torch", "grad")
+    assert plan.plan_decode("auto", q, cache).backend == "triton"
 
 
 def test_module_passes_its_backend_to_decode(gen, clean):

@@ -29,8 +29,13 @@ import triton.language as tl  # noqa: E402
 from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from nsa import NSAConfig, nsa_decode, nsa_reference, telemetry  # noqa: E402
-from nsa import decode as decode_mod  # noqa: E402
+from nsa import (  # noqa: E402
+    NSAConfig,
+    nsa_decode,
+    nsa_reference,
+    plan,  # noqa: E402
+    telemetry,
+)
 from nsa.model.llama_block_nsa import TinyNSALM  # noqa: E402
 
 # window 40 > 16 keys per tile: three window programs; selection blocks of 8, four of them per query
@@ -45,9 +50,9 @@ def _interp(monkeypatch):
     # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes
     monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1))
     telemetry.reset()
-    saved = (decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu)
+    saved = (plan.TRITON["decode"].capability, plan.TRITON["decode"].allow_cpu)
     yield
-    decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu = saved
+    plan.TRITON["decode"].capability, plan.TRITON["decode"].allow_cpu = saved
 
 
 def _check_case(case, *, max_len=None, tol=1e-5):
@@ -210,7 +215,7 @@ def test_failure_after_the_append_kernel_leaves_the_cache_consistent(gen, monkey
 
 
 def test_auto_routes_to_the_kernels_when_they_can_run(gen):
-    decode_mod.HOOKS.allow_cpu = True
+    plan.TRITON["decode"].allow_cpu = True
     case = make_case(gen, CFG, [3, 9], 1, 4, 2, 16, 16, dtype=torch.float32)
     cache = prefill_cache(case)
     telemetry.reset()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nsa import NSAInputError, nsa_attention, telemetry
-from nsa.kernels.fa2 import guards
-from nsa.kernels.fa2.base import last_dim_contiguous
+from nsa.branches.fa2_call import last_dim_contiguous
+from nsa.plan import rules as guards
 from nsa.toggles import Toggles
 
 from . import backend_fakes

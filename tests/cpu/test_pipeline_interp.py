@@ -17,11 +17,12 @@ from .interp import kernel_modules
 combine, tma, topn = kernel_modules("combine", "tma", "topn", probe="topn._topn_kernel")
 
 from nsa import NSAConfig, nsa_attention, nsa_reference, plan, telemetry  # noqa: E402
+from nsa.branches.combine.naive import combine_torch  # noqa: E402
 from nsa.branches.compressed.naive import compressed_attention  # noqa: E402
 from nsa.branches.selected.naive import top_n  # noqa: E402
 from nsa.compress import compress_kv  # noqa: E402
+from nsa.hooks import HOOKS  # noqa: E402
 from nsa.layout import dense_layout, packed_layout  # noqa: E402
-from nsa.pipeline import combine_torch  # noqa: E402
 
 from . import backend_fakes  # noqa: E402
 from .helpers import SMALL, make_inputs, rel_err  # noqa: E402
@@ -36,8 +37,8 @@ CFGS = [CFG, SMALL["l8d4s16n4i0"], SMALL["l16d4s8n5i1l1"], SMALL["l8d8s8n3i0l0"]
 @pytest.fixture
 def fused(clean_env):
     """Emulated FA-2 for cmp/win, the Triton kernels allowed on CPU: auto takes the fused executor."""
-    clean_env.setattr(plan, "PROVIDERS", {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
-                                          "sdpa": plan.PROVIDERS["sdpa"]})
+    clean_env.setattr(HOOKS, "providers", {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
+                                           "sdpa": plan.PROVIDERS["sdpa"]})
     clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
     clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
     clean_env.setenv("TRITON_INTERPRET", "1")
@@ -197,7 +198,7 @@ def test_topn_kernel_tma_copies_match_naive(gen, monkeypatch, packed, cfg, copy_
     """The q tiles and the chunk's compressed keys by tensor-memory copies (the Hopper form): a copied key
     chunk runs past the sequence's last block into the next sequence's (or past the end), which the causal
     mask must zero. With R = 3 padded to 4 the keys keep their pointer loads."""
-    monkeypatch.setattr(tma, "FORCE", True)
+    monkeypatch.setattr(HOOKS, "tma_force", True)
     tma.USED.clear()
     T = 300
     cu = torch.tensor([0, 7, 150, 151, T], dtype=torch.int32) if packed else None
@@ -375,7 +376,7 @@ CORE_CASES = [("flash_attn", CFGS[0], 45), ("flash_attn", CFGS[0], 44), ("flash_
 def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
     """Outputs, indices and every gradient equal the torch path's, and the core ran (its event)."""
     if provider == "torch_cudnn":
-        fused.setattr(plan, "CUDNN", backend_fakes.emulated_cudnn())
+        fused.setattr(HOOKS, "cudnn", backend_fakes.emulated_cudnn())
     q, k, v, g = make_inputs(gen, 2 if T == 45 else 1, T, 4, 2, 16, 16, torch.float32, True)
     _auto_matches_torch_path(gen, q, k, v, g, cfg)
     assert telemetry.served("cmp") == {provider: 1} and telemetry.snapshot()["fallbacks"] == 0
@@ -385,12 +386,12 @@ def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
 def test_dense_core_launches_the_window_first(fused, gen):
     """The sliding branch is started before the compression (the GPU's first large kernel), and the core
     uses that result: the same output as the torch path."""
-    import nsa.pipeline as pipeline
+    import nsa.run.fused as fused_run
 
     order = []
-    start, compress = pipeline.dense_core.start_window, pipeline.compress_kv
-    fused.setattr(pipeline.dense_core, "start_window", lambda *a: order.append("window") or start(*a))
-    fused.setattr(pipeline, "compress_kv", lambda *a: order.append("compress") or compress(*a))
+    start, compress = fused_run.dense_core.start_window, fused_run.compress_kv
+    fused.setattr(fused_run.dense_core, "start_window", lambda *a: order.append("window") or start(*a))
+    fused.setattr(fused_run, "compress_kv", lambda *a: order.append("compress") or compress(*a))
     q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32)
     telemetry.reset()
     got = nsa_attention(q, k, v, g, CFG)

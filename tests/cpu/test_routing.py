@@ -9,6 +9,7 @@ import torch
 
 from nsa import NSAAttention, NSAInputError, nsa_attention, plan, telemetry
 from nsa.branches.compressed.fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
+from nsa.hooks import HOOKS
 from nsa.kernels.fa2.flash_attn import varlen_lse_2d
 
 from . import backend_fakes
@@ -149,7 +150,7 @@ def test_debug_timing_buckets(fakes, gen, clean_env):
 @pytest.fixture
 def cudnn(fakes, clean_env):
     prov = backend_fakes.emulated_cudnn()
-    clean_env.setattr(plan, "CUDNN", prov)
+    clean_env.setattr(HOOKS, "cudnn", prov)
     return prov
 
 
@@ -398,11 +399,10 @@ def test_sdpa_drives_the_same_selection_as_the_torch_path(clean_env, gen, packed
 
 
 def test_plan_cache_reuses_decisions_and_records_every_call(fakes, gen, clean_env, monkeypatch):
-    """A cached plan (dense CUDA calls; keyed here on CPU tensors by a stand-in key of the same fields) is
+    """A cached plan (dense CUDA calls; here CPU calls too, through the test hook) is
     returned as is and its decisions are counted again for each call; a toggle, a shape, grad mode or a
     provider object change the key; packed input is never cached."""
-    monkeypatch.setattr(plan, "_cache_key", lambda *a: ("cpu-test", *a[:4], a[8], a[9], torch.is_grad_enabled(),
-                                                       tuple(a[1].shape)))
+    monkeypatch.setattr(HOOKS, "cache_cpu_plans", True)
     plan.clear_cache()
     q, k, v, _ = make_inputs(gen, 1, 40, 4, 2, 16, 16, torch.float32)
     cfg = SMALL["l8d4s8n4"]

@@ -21,6 +21,7 @@ from nsa import plan, telemetry  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
 from nsa.config import NSAConfig  # noqa: E402
 from nsa.functional import nsa_attention  # noqa: E402
+from nsa.hooks import HOOKS  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
 from nsa.validation import NSAInputError  # noqa: E402
 
@@ -46,8 +47,8 @@ def copies(request, monkeypatch):
     both on CPU tensors); after the test, the descriptors made tell which path ran."""
     if request.param == "tma" and not tma.triton_has_descriptors():
         pytest.skip(f"this triton has no host-side tensor descriptors (from {tma.MIN_TRITON})")
-    monkeypatch.setattr(tma, "FORCE", request.param == "tma")
-    monkeypatch.setattr(tma, "ENABLED", request.param == "tma")
+    monkeypatch.setattr(HOOKS, "tma_force", request.param == "tma")
+    monkeypatch.setattr(HOOKS, "tma", request.param == "tma")
     tma.USED.clear()
     yield request.param
     used = {kernel for kernel, n in tma.USED.items() if n}

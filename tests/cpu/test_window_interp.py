@@ -13,6 +13,7 @@ from .interp import kernel_modules
 tma, window = kernel_modules("tma", "window", probe="window._window_fwd_kernel")
 
 from nsa import NSAConfig, nsa_attention, plan, telemetry  # noqa: E402
+from nsa.hooks import HOOKS  # noqa: E402
 
 from . import backend_fakes  # noqa: E402
 from .helpers import make_inputs, rel_err  # noqa: E402
@@ -31,7 +32,7 @@ def window_oracle(q, k, v, w, scale):
 
 @pytest.fixture
 def descriptors(monkeypatch):
-    monkeypatch.setattr(tma, "FORCE", True)  # the interpreter runs TMA descriptors on CPU tensors
+    monkeypatch.setattr(HOOKS, "tma_force", True)  # the interpreter runs TMA descriptors on CPU tensors
 
 
 # (T, window, G, D, tiles): tiles of 16 rows / keys make every block kind appear at small T; T not a
@@ -110,13 +111,13 @@ def torch_flash_core(clean_env):
     env = clean_env
     absent = backend_fakes.emulated("flash_attn")
     absent.available_override = (False, "flash-attn is not installed")
-    env.setattr(plan, "PROVIDERS", {"flash_attn": absent, "torch_flash": backend_fakes.emulated("torch_flash"),
-                                    "sdpa": plan.PROVIDERS["sdpa"]})
+    env.setattr(HOOKS, "providers", {"flash_attn": absent, "torch_flash": backend_fakes.emulated("torch_flash"),
+                                     "sdpa": plan.PROVIDERS["sdpa"]})
     env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
     env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
     for prov in plan.TRITON.values():
         env.setattr(prov, "allow_cpu", True)
-    env.setattr(tma, "FORCE", True)
+    env.setattr(HOOKS, "tma_force", True)
     return env
 
 
@@ -153,10 +154,11 @@ def test_window_plan_needs_tma(gen, torch_flash_core):
     """The Triton window serves the window's FA-2 providers alike (flash_attn here too), not without TMA
     copies; neither case is a fallback."""
     q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 64, 64, torch.float32)
-    torch_flash_core.setattr(plan, "PROVIDERS", {**plan.PROVIDERS, "flash_attn": backend_fakes.emulated("flash_attn")})
+    fast = {**HOOKS.providers, "flash_attn": backend_fakes.emulated("flash_attn")}
+    torch_flash_core.setattr(HOOKS, "providers", fast)
     telemetry.reset()
     p = plan.make_plan("auto", q, k, v, CFG)
     assert p.dense_core and p.window_triton and p.win.provider == "flash_attn"
-    torch_flash_core.setattr(tma, "FORCE", False)
+    torch_flash_core.setattr(HOOKS, "tma_force", False)
     assert not plan.make_plan("auto", q, k, v, CFG).window_triton
     assert telemetry.snapshot()["fallbacks"] == 0

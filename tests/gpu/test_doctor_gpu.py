@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa import doctor, env
-from nsa.cuda_archs import fatbin_archs, runs_on
+from nsa_env import doctor
+from nsa_env import report as env
+from nsa_env.cuda_archs import fatbin_archs, runs_on
 
 pytestmark = [
     pytest.mark.gpu,

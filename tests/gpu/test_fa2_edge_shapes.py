@@ -10,10 +10,10 @@ from fa2_gpu_helpers import PAPER, SMALL, TOL, branch_err, inputs, one_hot_gates
 from nsa import plan, toggles
 from nsa.branches.compressed.fa2 import compressed_fa2
 from nsa.branches.compressed.naive import compressed_chunk
+from nsa.branches.context import CallContext
 from nsa.branches.sliding.fa2 import sliding_fa2
 from nsa.branches.sliding.naive import sliding_chunk
 from nsa.compress import compress_kv
-from nsa.kernels.fa2.base import CallContext
 from nsa.layout import dense_layout
 from nsa.validation import Shapes
 
@@ -34,7 +34,7 @@ def test_head_dims_and_short_T(provider, gen, D, T, branch):
 
 def _ctx(q, k, v):
     B, T, Hq, Dk = q.shape
-    return CallContext(Shapes(B, T, Hq, k.shape[2], Dk, v.shape[3]), q.dtype, q.device, False)
+    return CallContext(Shapes(B, T, Hq, k.shape[2], Dk, v.shape[3]), q.dtype, q.device, False, kernel_dtype=q.dtype)
 
 
 def test_empty_rows_zero_and_lse_neg_inf(provider, gen):

@@ -259,7 +259,7 @@ def test_topn_ties_go_to_lower_index(gen):
 def test_plan_cache_on_cuda(gen, monkeypatch):
     """Dense CUDA calls reuse their plan (every call still counted in telemetry); a toggle or the TMA switch
     gives a new one."""
-    from nsa.kernels.triton import tma
+    from nsa.hooks import HOOKS
 
     q, k, v, g = make(gen, 1, 300, 8, 2, 64, 64, torch.bfloat16)
     plan.clear_cache()
@@ -267,7 +267,7 @@ def test_plan_cache_on_cuda(gen, monkeypatch):
     first = plan.make_plan("auto", q, k, v, PAPER)
     assert plan.make_plan("auto", q, k, v, PAPER) is first
     assert sum(telemetry.served("sel").values()) == 2
-    monkeypatch.setattr(tma, "ENABLED", not tma.ENABLED)
+    monkeypatch.setattr(HOOKS, "tma", not HOOKS.tma)
     assert plan.make_plan("auto", q, k, v, PAPER) is not first
     monkeypatch.setenv("NSA_USE_TRITON_TOPN", "0")
     assert plan.make_plan("auto", q, k, v, PAPER).topn.provider == "torch"

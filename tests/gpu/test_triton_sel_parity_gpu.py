@@ -16,6 +16,7 @@ pytestmark = MARKS
 
 from nsa import NSAConfig, nsa_attention, nsa_reference, telemetry  # noqa: E402
 from nsa.branches.selected.naive import selected_chunk  # noqa: E402
+from nsa.hooks import HOOKS  # noqa: E402
 
 # max |got - want| / max(1, max |want|)
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-5}
@@ -112,7 +113,7 @@ def test_tma_copies_match_pointer_loads(gen, monkeypatch, Dk, Dv):
     go = rand(gen, 1, T, Hq, Dv, dtype=dtype)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(tma, "ENABLED", on)
+        monkeypatch.setattr(HOOKS, "tma", on)
         tma.USED.clear()
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
         out = sel_triton(qq, kk, vv, idx, ss, PAPER)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from ...config import NSAConfig
-from ...kernels.fa2.base import CallContext, Fa2Provider
+from ...kernels.fa2.base import Fa2Provider
 from ...toggles import Toggles
+from ..context import CallContext
+from ..fa2_call import prep
 from .fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
 
 
@@ -29,7 +31,7 @@ def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_c
         q_in, k_in, v_in = q, k_cmp, v_cmp
     if plan.n_cmp == 0 or T == 0:  # no block anywhere: every row is empty
         return q.new_zeros(B, T, Hq, Dv), q.new_full((B, T, Hq), float("-inf"), dtype=torch.float32)
-    qf, kf, vf = prov.prep((fold_q(q_in, plan), k_in, v_in), ctx, toggles, "cmp")
+    qf, kf, vf = prep(prov, (fold_q(q_in, plan), k_in, v_in), ctx, "cmp")
     skip = 0
     if varlen:
         o, lse = prov.attn(qf, kf[0], vf[0], causal=True, left=-1, scale=scale,
@@ -44,3 +46,21 @@ def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_c
     if varlen and not ctx.packed:
         o, lse = o.reshape(B, T, Hq, Dv), lse.reshape(B, T, Hq)
     return o, lse
+
+
+# --- the dense core's two calls (nsa.run.dense_core: rows folded by view, then the tail tokens) ------------
+
+
+def rows_attention(prov: Fa2Provider, q_rows, k_rows, v_rows, scale: float):
+    """The compressed branch of the rows folded by view (fold.fold_q_view, fold.expand_kv): one bottom-right
+    causal call, (o_rows, lse_rows) in the kernel's layout (fold.unfold_view_o / unfold_view_lse read them)."""
+    return prov.attn(q_rows, k_rows, v_rows, causal=True, left=-1, scale=scale, varlen=None, need_lse=True)
+
+
+def tail_attention(prov: Fa2Provider, q, k_cmp, v_cmp, scale: float):
+    """The tail tokens (fewer than d after the last whole row) all see every block of k_cmp [B, n+1, Hkv, D]:
+    one call with no mask (one kernel, and its backward one more, where attention in torch took about 25
+    small operations each way). (o [B, C, Hq, Dv], lse [B, C, Hq])."""
+    C = q.shape[1]
+    o, lse = prov.attn(q, k_cmp, v_cmp, causal=False, left=-1, scale=scale, varlen=None, need_lse=True)
+    return o, lse[..., :C].transpose(1, 2)

@@ -20,7 +20,7 @@ def compressed_sdpa(toggles: Toggles, q, k_cmp, v_cmp, layout, cfg: NSAConfig, s
     B, T, Hq, _ = q.shape
     Hkv, Dv = k_cmp.shape[2], v_cmp.shape[3]
     G = Hq // Hkv
-    C = chunk_len(T, G, layout.n_cmp, toggles)
+    C = chunk_len(T, G, layout.n_cmp, toggles.sdpa_chunk)
     outs, lses = [], []
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)

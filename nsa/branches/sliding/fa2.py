@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from ...config import NSAConfig
-from ...kernels.fa2.base import CallContext, Fa2Provider
+from ...kernels.fa2.base import Fa2Provider
 from ...toggles import Toggles
+from ..context import CallContext
+from ..fa2_call import prep
 
 
 def sliding_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k, v, layout, cfg: NSAConfig,
@@ -21,7 +23,7 @@ def sliding_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k, v, 
     max_len = ctx.max_len if ctx.packed else T
     left = cfg.window - 1
     causal = left >= max_len - 1  # the window covers every key: plain causal attention
-    qf, kf, vf = prov.prep((q, k, v), ctx, toggles, "win")
+    qf, kf, vf = prep(prov, (q, k, v), ctx, "win")
     if varlen:
         cu = ctx.cu_seqlens if ctx.packed else torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
         D = qf.shape[-1]

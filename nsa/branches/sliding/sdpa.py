@@ -17,7 +17,7 @@ def sliding_sdpa(toggles: Toggles, q, k, v, layout, cfg: NSAConfig, scale: float
     Hkv, Dv = k.shape[2], v.shape[3]
     G = Hq // Hkv
     w = cfg.window
-    C = chunk_len(T, G, min(T, w) + 1024, toggles)
+    C = chunk_len(T, G, min(T, w) + 1024, toggles.sdpa_chunk)
     outs = []
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)

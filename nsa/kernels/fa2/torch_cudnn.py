@@ -6,13 +6,13 @@ groups over T_cmp = Ng - l/d compressed blocks with GQA group d*G. On an H100 (b
 heads over 4 KV heads, D=128) cuDNN runs it in 8.1 ms forward and 33.2 ms forward+backward at T=64k where
 FA-2 takes 13.2 and 51.8 ms; it returns the log-sum-exp the top-n step needs and has an autograd formula.
 
-What it cannot do, and why it is only tried where it applies (`applies`): its causal mask is aligned to the
-top-left corner and it has no sliding window, no varlen entry point in every torch, and the head dims its
-backward supports depend on the cuDNN release. So planning tries it first for the compressed branch of
-dense input on sm 9.0 with head dims <= 128 (<= 256 from cuDNN 9.19, the release measured with them: 64k,
-D=192: 10.0 ms forward and 66.0 ms forward+backward against FA-2's 21.5 and 86.7), fp16/bf16 inputs and at
-least two compressed blocks, and nowhere else: elsewhere it is not a candidate (no fallback is counted),
-and the FA-2 providers serve as before. NSA_USE_CUDNN=0 turns it off.
+What it cannot do, and why it is only tried where it applies (nsa.plan.rules.cudnn_applies): its causal
+mask is aligned to the top-left corner and it has no sliding window, no varlen entry point in every torch,
+and the head dims its backward supports depend on the cuDNN release. So planning tries it first for the
+compressed branch of dense input on sm 9.0 with head dims <= 128 (<= 256 from cuDNN 9.19, the release
+measured with them: 64k, D=192: 10.0 ms forward and 66.0 ms forward+backward against FA-2's 21.5 and
+86.7), fp16/bf16 inputs and at least two compressed blocks, and nowhere else: elsewhere it is not a
+candidate (no fallback is counted), and the FA-2 providers serve as before. NSA_USE_CUDNN=0 turns it off.
 
 Bottom-right alignment from top-left: with Tq >= Tk, rows i < Tq - Tk see no key and rows i >= Tq - Tk see
 keys j <= i - (Tq - Tk): the last Tk rows are a square top-left causal attention. Those rows go to cuDNN;
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ...toggles import Toggles
-from .base import CallContext, Fa2Provider
-from .guards import padded_head_dim
+from .base import Fa2Provider
 
 MAX_HEAD_DIM = 128  # any cuDNN 9
 MAX_HEAD_DIM_WIDE = 256  # from WIDE_HEADS_CUDNN on (measured: forward and backward, D = 192 and 256)
@@ -63,15 +61,6 @@ class TorchCudnnProvider(Fa2Provider):
 
     def availability(self, device, forced):
         return self._settled(device, self.kernel, "kernel") or torch_cudnn_status()
-
-    def applies(self, branch: str, ctx: CallContext, toggles: Toggles, n_keys: int) -> bool:
-        """Whether to try this provider at all (module doc); when False the FA-2 order decides alone. n_keys:
-        the keys of the (square) call, the compressed blocks of a sequence: cuDNN refuses a 1 x 1 one."""
-        cap = self._cap(ctx.device)
-        return (toggles.use_cudnn and branch == "cmp" and n_keys >= MIN_KEYS and not ctx.packed
-                and not toggles.force_varlen
-                and ctx.dtype in self.kernel_dtypes and cap is not None
-                and tuple(cap) >= MIN_CAPABILITY and padded_head_dim(ctx.Dk, ctx.Dv) <= self.max_head_dim())
 
     def attn(self, q, k, v, *, causal, left, scale, varlen, need_lse):
         if not causal or left >= 0 or varlen is not None:

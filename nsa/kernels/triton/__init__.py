@@ -1,6 +1,7 @@
 """Triton kernels of NSA: selected attention (selection.py: forward, backward, autograd), the fused
-score + top-n (topn.py) and the gate combine (combine.py). provider.py says whether they can run here
-and which guards a call must pass.
+score + top-n (topn.py), the gate combine (combine.py), the sliding window (window.py) and the decode
+step (decode.py), with the helpers they share (common.py, tma.py). Mechanism only: when each may serve a
+call is planning's (nsa.plan.providers, nsa.plan.rules).
 
 Importing this package does not import triton; `available()` says whether the kernels can run here.
     from nsa.kernels.triton import selected_attention_triton   # imports triton on first use

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import tma
+from .common import bh_program
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
 
 LOG2E = 1.4426950408889634
@@ -137,9 +138,7 @@ def _sel_bwd_dq_kernel(
     # ACCUMULATE: DQ holds the other branches' dq; add this branch's to it in fp32 (one rounding, no extra pass).
     # DQ2 holds more of them for tokens [t2_lo, t2_hi) (row t - t2_lo), added the same way.
     t = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
+    b, h = bh_program(1, Hkv)
     g0 = tl.program_id(2) * BLOCK_G
 
     rg = g0 + tl.arange(0, BLOCK_G)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import tma
 from .combine import _gates, _segment_off
+from .common import bh_program, load_tile, pv_dot, qk_dot, softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -74,9 +75,7 @@ def _sel_fwd_kernel(
     N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
     EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False, COMBINE: tl.constexpr = False,
 ):
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
+    b, h = bh_program(1, Hkv)
     g0 = tl.program_id(2) * BLOCK_G
 
     rg = g0 + tl.arange(0, BLOCK_G)
@@ -108,33 +107,16 @@ def _sel_fwd_kernel(
                 local = j * block_sel + c + rn
                 keep = (j >= 0) & (c + rn < block_sel) & (local <= pos)
                 tok = start + local
-                if TMA:  # a tensor-memory copy of the tile: rows past T or before 0 read as zeros
-                    row0 = (start + j * block_sel + c).to(tl.int32)
-                    kb = tl.reshape(KD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DK])
-                elif EVEN_DK:  # no column mask: fewer predicate registers, wider loads
-                    kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None], other=0.0)
-                else:
-                    kb = tl.load(k_base + tok[:, None] * skt, mask=keep[:, None] & dk_ok[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kb))
+                row0 = (start + j * block_sel + c).to(tl.int32)  # the tile's first row, for a TMA copy
+                kb = load_tile(KD, k_base + tok[:, None] * skt, b, row0, h, keep, dk_ok, BLOCK_N, BLOCK_DK, TMA,
+                               EVEN_DK)
+                s = qk_dot(q, kb, IEEE)
                 s = tl.where(keep[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if TMA:
-                    vb = tl.reshape(VD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DV])
-                elif EVEN_DV:  # V after the first dot: K and V tiles are not live at once
-                    vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None], other=0.0)
-                else:
-                    vb = tl.load(v_base + tok[:, None] * svt, mask=keep[:, None] & dv_ok[None, :], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+                p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, True)
+                # V after the first dot: K and V tiles are not live at once
+                vb = load_tile(VD, v_base + tok[:, None] * svt, b, row0, h, keep, dv_ok, BLOCK_N, BLOCK_DV, TMA,
+                               EVEN_DV)
+                acc = acc * alpha[:, None] + pv_dot(p, vb, IEEE)
                 m_i = m_new
             has = l_i > 0
             o = (acc / tl.where(has, l_i, 1.0)[:, None]).to(O.dtype.element_ty)

@@ -19,10 +19,11 @@ from collections import Counter
 import torch
 from packaging.version import Version
 
+from ...hooks import HOOKS
 from ..device import device_capability
 
-ENABLED = True  # False: pointer loads everywhere (GPU tests compare both paths)
-FORCE = False  # True: descriptors on any device and dtype (Triton's interpreter runs them on CPU tensors)
+# nsa.hooks.HOOKS.tma = False: pointer loads everywhere (GPU tests compare both paths); HOOKS.tma_force:
+# descriptors on any device and dtype (Triton's interpreter runs them on CPU tensors).
 USED: Counter = Counter()  # descriptors made per kernel: tests check which path ran
 MIN_TRITON = Version("3.4.0")  # host-side descriptors with a `load` method in kernels
 DTYPES = (torch.float16, torch.bfloat16)
@@ -38,12 +39,13 @@ def triton_has_descriptors() -> bool:
 def supported(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can be read through a descriptor: CUDA sm 9.0+, 16-bit, unit last stride, other
     strides and the base 16-byte aligned, and a Triton that has host-side descriptors."""
-    if not (ENABLED or FORCE) or not triton_has_descriptors():
+    force = HOOKS.tma_force
+    if not (HOOKS.tma or force) or not triton_has_descriptors():
         return False
     for t in tensors:
         if t.dim() != 4 or t.stride(-1) != 1:
             return False
-        if not FORCE and (not t.is_cuda or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
+        if not force and (not t.is_cuda or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
             return False
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
@@ -67,4 +69,4 @@ def kv_descriptors(use: bool, k: torch.Tensor, v: torch.Tensor, block_n: int, bl
     return tile_descriptor(k, block_n, block_dk, kernel), tile_descriptor(v, block_n, block_dv, kernel)
 
 
-__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "kv_descriptors", "ENABLED", "FORCE", "USED"]
+__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "kv_descriptors", "USED"]

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from . import tma
+from .common import bh_program
 
 LOG2E = 1.4426950408889634
 MAX_KEEP = 64
@@ -114,9 +115,7 @@ def _topn_kernel(
     BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
     BLOCK_TAIL: tl.constexpr = BLOCK_J * C_PAD
     tile = n_tiles - 1 - tl.program_id(0)  # the longest tiles (most blocks) first
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = (pid_bh % Hkv).to(tl.int64)
+    b, h = bh_program(1, Hkv)
 
     # Tokens of the tile. Positions fit int32 (T < 2^31).
     t_tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import tma
+from .common import pv_dot, qk_dot, softmax_step
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)  # tl.arange needs a power of two; FA-2 serves the rest
@@ -39,19 +40,15 @@ def _window_blocks(acc, l_i, m_i, q, KD, VD, b, hk, lo, hi, rm, rn, qk_scale, le
     """Key blocks [lo, hi) of one query tile into the online softmax state (acc, l_i, m_i)."""
     for n0 in tl.range(lo, hi, BN, num_stages=STAGES):
         k = tl.reshape(KD.load([b, n0, hk, 0]), [BN, D])
-        s = tl.dot(q, tl.trans(k))
+        s = qk_dot(q, k, False)
         if MASK:
             back = rm[:, None] - (n0 + rn)[None, :]  # how far the key lies behind the query
             s = tl.where((back >= 0) & (back <= left), s * qk_scale, float("-inf"))
         else:
             s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, False)  # m_i starts finite (-1e30): no -inf guard
         v = tl.reshape(VD.load([b, n0, hk, 0]), [BN, D])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc = acc * alpha[:, None] + pv_dot(p, v, False)
     return acc, l_i, m_i
 
 

@@ -1,0 +1,33 @@
+"""Sliding branch on NSA's Triton window kernels (nsa.kernels.triton.window: Hopper TMA copies, faster
+than FA-2's on a band of w keys), forward and backward from the saved o and LSE.
+
+    supported(q, k, v) -> (ok, why not)                    the kernels serve these tensors
+    o, lse = forward(q, k, v, cfg, scale)                  o [B, T, Hq, D], lse [B, Hq, T] fp32
+    dq, dk, dv = backward(do, q, k, v, o, lse, cfg, scale)
+
+Dense input only (no packed sequences); the dense core runs it (nsa.run.dense_core). The kernel module
+(and so triton) is imported on first call.
+"""
+
+from __future__ import annotations
+
+
+def supported(q, k, v) -> tuple[bool, str]:
+    from ...kernels.triton.window import supported as fn
+
+    return fn(q, k, v)
+
+
+def forward(q, k, v, cfg, scale):
+    from ...kernels.triton.window import window_forward
+
+    return window_forward(q, k, v, cfg.window, scale)
+
+
+def backward(do, q, k, v, o, lse, cfg, scale):
+    from ...kernels.triton.window import window_backward
+
+    return window_backward(do, q, k, v, o, lse, cfg.window, scale)
+
+
+__all__ = ["backward", "forward", "supported"]

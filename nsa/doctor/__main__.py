@@ -1,5 +1,0 @@
-import sys
-
-from nsa.doctor.cli import main
-
-sys.exit(main())

@@ -1,0 +1,86 @@
+"""Jit helpers shared by the prefill and decode kernels (Triton inlines @triton.jit helpers: calling one
+costs nothing over writing its body in place).
+
+    qk_dot(q, k, IEEE)             logits of a query tile against a key tile, [M, N]
+    pv_dot(p, v, IEEE)             probabilities times a value tile, in v's dtype (fp32 inputs: IEEE)
+    softmax_step(s, m, l, SAFE)    the online-softmax step in the exp2 domain: (p, alpha, m_new, l_new)
+    load_tile(DESC, ptrs, ...)     a [N, D] K or V tile by TMA descriptor or by masked pointer loads
+    bh_program(axis, H)            (b, h) of a program whose grid axis runs over batch x heads
+
+Softmax state is fp32 in the exp2 domain (logits * scale * log2(e)); alpha rescales what the state held
+before the tile, p are the tile's unnormalised probabilities.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def qk_dot(q, k, IEEE: tl.constexpr):
+    """q [M, D] @ k [N, D]^T; IEEE: full fp32 precision (fp32 inputs), else the default (tf32 for fp32)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def pv_dot(p, v, IEEE: tl.constexpr):
+    """p [M, N] fp32 @ v [N, D]: p cast to v's dtype (16-bit tensor cores), or kept fp32 with IEEE."""
+    if IEEE:
+        o = tl.dot(p, v, input_precision="ieee")
+    else:
+        o = tl.dot(p.to(v.dtype), v)
+    return o
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, SAFE: tl.constexpr):
+    """One online-softmax step over a tile of scaled logits s [M, N] (exp2 domain): (p, alpha, m_new, l_new).
+    SAFE: rows whose running max is still -inf (every logit so far masked) give p = 0 and alpha = 1 rather
+    than NaN; without it the caller starts the max at a finite value (-1e30)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def load_tile(DESC, ptrs, b, row0, h, keep, d_ok, N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """A [N, D] tile of a [B, T, H, D] tensor: by a TMA copy of rows [row0, row0 + N) of head h (rows outside
+    [0, T) read as zeros; the caller masks the rest in its scores), else by pointer loads at `ptrs` [N, D]
+    masked by `keep` [N] and, unless EVEN_D, by the head-dim mask `d_ok` [D]."""
+    if TMA:
+        x = tl.reshape(DESC.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [N, D])
+    elif EVEN_D:  # no column mask: fewer predicate registers, wider loads
+        x = tl.load(ptrs, mask=keep[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=keep[:, None] & d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def bh_program(axis: tl.constexpr, H):
+    """(b, h) int64 of this program along grid axis `axis`, which runs over batch x H heads."""
+    pid = tl.program_id(axis)
+    return (pid // H).to(tl.int64), (pid % H).to(tl.int64)
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): tile sizes for tl.arange."""
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+__all__ = ["LN2", "LOG2E", "bh_program", "load_tile", "next_pow2", "pv_dot", "qk_dot", "softmax_step"]

@@ -1,0 +1,140 @@
+"""Triton kernels of one NSA decode step (one new token per sequence, ragged positions): five launches, one
+module each (append, cmp_win, score_topk, sel, combine), their shared helpers (parts) and the split plan
+(workspace); the launcher is here.
+
+Contract (same function as the torch step, nsa.branches.decode.naive): the cache (nsa.NSACache) holds sequence b's
+cache_seqlens[b] tokens; the step appends its new token at position t_b = cache_seqlens[b] and returns
+o [B, 1, Hq, Dv] = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win for that token, then cache_seqlens += 1.
+
+Every program handles all G query heads of one KV head (the G rows of tl.dot, padded to 16), so each K/V
+row is loaded once per group. Softmax state is fp32 in the exp2 domain (logits * scale * log2(e)).
+
+1. append (grid B x Hkv): writes the token into the raw K/V, the window ring and the raw compression ring;
+   if a compressed block completes at t (t - l + 1 >= 0 and (t - l + 1) % d == 0), writes its mean
+   (compress="mlp": the launcher runs phi in torch right after). Saves t in the workspace (`pos`).
+2. compressed attention (grid n_split_cmp x B*Hkv), flash-decoding style: a program takes a contiguous
+   share of the visible compressed blocks and writes its partial (max, sum, unnormalised acc); it also
+   keeps the raw logits of its blocks in a scratch row [G, max_blocks] (fp32) for the selection scores.
+3. scores + top-n candidates (grid n_chunks x B*Hkv): the log-sum-exp of each head from the partials, then
+   for a chunk of selection blocks j: score[j] = sum over the compressed blocks overlapping j (fixed
+   order) of sum over the G heads (one reduction, the same for every block) of exp2(logit - lse). Every
+   block's score goes through the same operations in the same order, so mathematically equal inputs give
+   bitwise-equal scores. The chunk's best n non-forced candidates, as int64 keys (score bits << 32 |
+   (2^31 - 1 - j)): larger key = higher score, then lower index, exactly the tie rule of top_n_blocks.
+4. selected + window attention (grid (n_split_sel + n_split_win) x B*Hkv): each selection program merges
+   the chunks' candidates (the global top-n of the candidates is the top-n of the chunks' top-n), adds the
+   forced blocks (first n_init, the n_local ending at t // l'), sorts the set ascending, then attends its
+   share of the selected blocks (tokens u <= t). Program 0 writes the indices [B, 1, Hkv, n_sel] (ascending,
+   -1 padded). The window programs attend their share of the window ring's slots, partials like step 2.
+   (Tuning.window_with_sel=False moves them into step 2's launch.)
+5. combine (grid B*Hkv x Dv tiles): merges each branch's partials, applies the gates, writes o, and
+   publishes cache_seqlens[b] = t + 1 (the only write to the lengths).
+
+Grids, splits and buffers depend on the cache's capacity only (DecodeWorkspace, made once per cache and
+head count): the step allocates nothing but its output (and not even that with out=), never reads the
+device back, and can be captured in a CUDA graph and replayed at every later position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import LOG2E
+from .append import _append_kernel
+from .cmp_win import _cmp_win_kernel
+from .combine import _combine_kernel
+from .parts import _attend_tile, _fold_parts, _load_parts, _merge_parts, _store_partial, _window_partial
+from .score_topk import _score_topk_kernel
+from .sel import _merge_candidates, _sel_kernel
+from .workspace import DecodeWorkspace, Tuning, _cdiv
+
+TUNING = Tuning()  # the launcher's default (tests and bench/tune_decode.py replace it)
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_opts(device, warps: int, ws=None, stages: str | None = None) -> dict:
+    """Launch options on CUDA (the interpreter takes none); `stages` names the workspace's pipeline depth."""
+    if device.type != "cuda":
+        return {}
+    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": getattr(ws, stages)}
+
+
+def workspace_for(cache, Hq: int, tuning: Tuning | None = None) -> DecodeWorkspace:
+    tuning = tuning or TUNING
+    return cache.workspace(("triton_decode", Hq, tuning), lambda: DecodeWorkspace(cache, Hq, tuning))
+
+
+def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, want_indices=False):
+    """Run the five kernels (module doc). tokens: the validated (k, v, kc, vc, kw, vw) [B, 1, Hkv, D].
+
+    Returns (o [B, 1, Hq, Dv] in q's dtype, indices int32 [B, 1, Hkv, n_sel]). The indices tensor is a
+    fresh one when want_indices, else the workspace's (overwritten by the next step). Publishes the new
+    lengths on the device (cache_seqlens += 1); the caller updates the host copy.
+    """
+    cfg = cache.config
+    B, _, Hq, Dk = q.shape
+    Hkv, Dv = cache.n_kv_heads, cache.d_v
+    ws = workspace_for(cache, Hq)
+    device = q.device
+    q = _last_dim_contiguous(q)
+    gates = _last_dim_contiguous(gates)
+    k, v, kc, vc, kw, vw = (_last_dim_contiguous(x) for x in tokens)
+    if out is None:
+        out = torch.empty(B, 1, Hq, Dv, device=device, dtype=q.dtype)
+    idx = torch.empty(B, 1, Hkv, cfg.n_sel, dtype=torch.int32, device=device) if want_indices else ws.indices
+    qk_scale = cfg.softmax_scale(Dk) * LOG2E
+    ieee = q.dtype == torch.float32
+    NB, W = cache.cmp_capacity, cache.window_slots
+    BH = B * Hkv
+    _append_kernel[(B, Hkv)](
+        cache.cache_seqlens, ws.pos, k, v, kc, vc, kw, vw,
+        cache.k_sel, cache.v_sel, cache.k_win, cache.v_win, cache.k_raw_cmp, cache.v_raw_cmp, cache.k_cmp, cache.v_cmp,
+        k.stride(0), k.stride(2), v.stride(0), v.stride(2), kc.stride(0), kc.stride(2), vc.stride(0), vc.stride(2),
+        kw.stride(0), kw.stride(2), vw.stride(0), vw.stride(2),
+        Hkv, Dk, Dv, cache.max_len, W, NB,
+        BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_L=ws.BLOCK_L, BLOCK_DK=ws.BLOCK_DK,
+        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **_launch_opts(device, 2),
+    )
+    if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
+        cache.compress_step(compress_fn)
+    _cmp_win_kernel[(ws.grid_cmp, BH)](
+        q, ws.pos, cache.k_cmp, cache.v_cmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
+        q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
+        ws.n_parts, qk_scale,
+        BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
+        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee,
+        **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp"),
+    )
+    _score_topk_kernel[(ws.n_chunks, BH)](
+        ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
+        Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
+        BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
+        N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
+        SPLIT_PAD=ws.SPLIT_PAD, **_launch_opts(device, ws.tuning.warps_score),
+    )
+    _sel_kernel[(ws.grid_sel, BH)](
+        q, ws.pos, ws.cand, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,
+        q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, W, ws.n_cand,
+        ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.n_split_sel, ws.n_split_cmp, ws.slots_per_prog,
+        ws.slots_per_split, qk_scale,
+        BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
+        NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
+        IEEE=ieee, **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel"),
+    )
+    _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
+        ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,
+        gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
+        ws.n_split_cmp, ws.n_split_win,
+        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN,
+        CHUNK_SEL=ws.CHUNK_SEL,
+        **_launch_opts(device, ws.tuning.warps_combine),
+    )
+    return out, idx
+
+
+__all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "workspace_for", "_append_kernel",
+           "_attend_tile", "_cmp_win_kernel", "_combine_kernel", "_fold_parts", "_load_parts", "_merge_candidates",
+           "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_store_partial", "_window_partial"]

@@ -1,0 +1,52 @@
+"""Launch 2 of a decode step (grid n_split_cmp x B*Hkv): compressed attention, flash-decoding style: each
+program a contiguous share of the visible compressed blocks, its partial, and the raw logits of its blocks
+in a scratch row for the selection scores (and the window's programs when Tuning.window_with_sel=False)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .parts import _attend_tile, _store_partial, _window_partial
+
+
+@triton.jit
+def _cmp_win_kernel(
+    Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC,
+    sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale,
+    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+):
+    sp = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hkv
+    h = bh % Hkv
+    rg = tl.arange(0, BLOCK_G)
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    g_ok = rg < G
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
+                other=0.0)
+    t = tl.load(POS + b).to(tl.int64)
+    if sp < n_split_cmp:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
+        lo = sp * blocks_per_split
+        hi = tl.minimum(lo + blocks_per_split, n_vis)
+        for n0 in range(lo, hi, BLOCK_N):
+            idx = n0 + rn
+            ok = idx < hi
+            row = (b * NB + idx) * Hkv + h
+            s, m_i, l_i, acc = _attend_tile(
+                q, KCMP + row[:, None] * Dk + rdk[None, :], VCMP + row[:, None] * Dv + rdv[None, :],
+                ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
+            tl.store(SCR + (bh * BLOCK_G + rg[:, None]) * NB + idx[None, :], s, mask=g_ok[:, None] & ok[None, :])
+    else:  # window programs, when the launcher gives them to this kernel (Tuning.window_with_sel=False)
+        m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_cmp, Hkv, Dk, Dv, W, slots_per_split,
+                                        qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
+    _store_partial(PM, PL, PACC, bh * n_parts + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

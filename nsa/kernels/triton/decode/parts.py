@@ -1,0 +1,90 @@
+"""Jit helpers the decode launches share: one tile of keys into the online-softmax state, a program's
+partial (max, sum, unnormalised acc) stored and, in the combine, loaded and merged, and the window ring's
+share of a program (launch 2, or launch 4 with Tuning.window_with_sel)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..common import pv_dot, qk_dot, softmax_step
+
+
+@triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, k_mask, v_mask, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) [G] [G] [G, Dv] with one tile of keys; returns the logits too.
+    V is loaded together with K: where the loop is not software-pipelined (the selection programs), the two
+    loads then share one memory round trip."""
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    s = qk_dot(q, k, IEEE)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, True)
+    acc = acc * alpha[:, None] + pv_dot(p, v, IEEE)
+    return s, m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(PM, PL, PACC, part, m_i, l_i, acc, rg, rdv, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr):
+    tl.store(PM + part * BLOCK_G + rg, m_i)
+    tl.store(PL + part * BLOCK_G + rg, l_i)
+    tl.store(PACC + (part * BLOCK_G + rg[:, None]) * BLOCK_DV + rdv[None, :], acc)
+
+
+@triton.jit
+def _window_partial(q, t, KWIN, VWIN, b, h, w, Hkv, Dk, Dv, W, slots_per_split, qk_scale, rg, rn, rdk, rdv, dk_ok,
+                    dv_ok, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr):
+    """(m, l, acc) of window program w: its share of the ring's slots (every slot < min(t + 1, W) is a token of
+    the window; their order does not matter to the softmax)."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    lo = w * slots_per_split
+    hi = tl.minimum(lo + slots_per_split, tl.minimum(t + 1, W))
+    for n0 in range(lo, hi, BLOCK_N):
+        idx = n0 + rn
+        ok = idx < hi
+        row = (b * W + idx) * Hkv + h
+        _, m_i, l_i, acc = _attend_tile(
+            q, KWIN + row[:, None] * Dk + rdk[None, :], VWIN + row[:, None] * Dv + rdv[None, :],
+            ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _load_parts(PM, PL, PACC, bh, n_parts, c0, p1, rg, rdv, dv_ok, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Partials [c0, min(c0 + CHUNK, p1)) of one (b, KV head): m, l [CHUNK, G] and acc [CHUNK, G, DV_TILE]."""
+    rp = c0 + tl.arange(0, CHUNK)
+    ok = rp < p1
+    part = bh * n_parts + rp
+    m_p = tl.load(PM + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=float("-inf"))
+    l_p = tl.load(PL + part[:, None] * BLOCK_G + rg[None, :], mask=ok[:, None], other=0.0)
+    a_p = tl.load(PACC + (part[:, None, None] * BLOCK_G + rg[None, :, None]) * BLOCK_DV + rdv[None, None, :],
+                  mask=ok[:, None, None] & dv_ok[None, None, :], other=0.0)
+    return m_p, l_p, a_p
+
+
+@triton.jit
+def _fold_parts(m, lsum, acc, m_p, l_p, a_p):
+    """Online-softmax fold of loaded partials into (m, lsum, acc); empty partials (m = -inf) add nothing."""
+    m_new = tl.maximum(m, tl.max(m_p, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    beta = tl.exp2(m_p - m_safe[None, :])  # [chunk, G]
+    lsum = lsum * alpha + tl.sum(l_p * beta, 0)
+    acc = acc * alpha[:, None] + tl.sum(a_p * beta[:, :, None], 0)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, m_p, l_p, a_p, rg, rdv, dv_ok, BLOCK_G: tl.constexpr,
+                 DV_TILE: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """Softmax-merge partials [p0, p1) of one (b, KV head), the first CHUNK of them already loaded (m_p, l_p,
+    a_p): the normalised output [G, DV_TILE] (0 if empty)."""
+    m, lsum, acc = _fold_parts(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+                               tl.zeros([BLOCK_G, DV_TILE], tl.float32), m_p, l_p, a_p)
+    for c0 in range(p0 + CHUNK, p1, CHUNK):
+        m_p, l_p, a_p = _load_parts(PM, PL, PACC, bh, n_parts, c0, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV, CHUNK)
+        m, lsum, acc = _fold_parts(m, lsum, acc, m_p, l_p, a_p)
+    return acc / tl.where(lsum > 0, lsum, 1.0)[:, None]

@@ -1,0 +1,62 @@
+"""Launch 3 of a decode step (grid n_chunks x B*Hkv): the log-sum-exp of each head from the partials, the
+selection scores of a chunk of selection blocks, and the chunk's best n non-forced candidates."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _score_topk_kernel(
+    POS, SCR, PM, PL, CAND, SCORES,
+    Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
+    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
+    N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr,
+):
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hkv
+    t = tl.load(POS + b).to(tl.int64)
+    n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
+    rg = tl.arange(0, BLOCK_G)
+    g_ok = rg < G
+    # log-sum-exp (log2 domain) of each head over all compressed blocks, from the split partials
+    rs = tl.arange(0, SPLIT_PAD)
+    s_ok = rs < n_split_cmp
+    pm = tl.load(PM + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=float("-inf"))
+    pl = tl.load(PL + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=0.0)
+    m = tl.max(pm, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    lsum = tl.sum(pl * tl.exp2(pm - m[None, :]), 0)
+    lse = tl.where(lsum > 0, m + tl.log2(tl.where(lsum > 0, lsum, 1.0)), 0.0)
+    # scores of this chunk's selection blocks: compressed block i overlaps block j iff
+    # j*l'/d - l/d + 1 <= i <= (j+1)*l'/d - 1, i.e. N_OFF consecutive blocks, summed in a fixed order
+    R_SEL: tl.constexpr = BLOCK_SEL // STRIDE_CMP
+    R_CMP: tl.constexpr = BLOCK_CMP // STRIDE_CMP
+    N_OFF: tl.constexpr = R_SEL + R_CMP - 1
+    j = c * CHUNK_J + tl.arange(0, CHUNK_J)
+    score = tl.zeros([CHUNK_J], tl.float32)
+    for o in tl.static_range(N_OFF):
+        i = j * R_SEL - (R_CMP - 1) + o
+        ok = g_ok[:, None] & ((i >= 0) & (i < n_vis))[None, :]
+        # Loaded within the scratch row, not only up to n_vis: the load then waits for nothing (t is read in
+        # parallel), and the logits past n_vis (stale) are dropped by the where.
+        inb = g_ok[:, None] & ((i >= 0) & (i < NB))[None, :]
+        lg = tl.load(SCR + (bh * BLOCK_G + rg[:, None]) * NB + i[None, :], mask=inb, other=float("-inf"))
+        p = tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0)
+        score += tl.sum(p, 0)
+    tl.store(SCORES + bh * NJ + j, score, mask=j < NJ)
+    jt = t // BLOCK_SEL
+    free = (j <= jt) & (j < NJ) & (j >= N_INIT) & (j <= jt - N_LOCAL)  # candidates that are not forced
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64)  # scores >= +0: bit order == value order
+    jr = tl.arange(0, CHUNK_J)
+    key = tl.where(free, (bits << 32) + (2147483647 - j), -1 - jr)  # distinct; non-candidates below 0
+    # The chunk's N_SEL best by rank (how many keys are larger), placed by a one-hot sum: one pass, no
+    # serial rounds of max-and-remove.
+    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+    rk = tl.arange(0, N_PAD)
+    cand = tl.sum(tl.where(rank[:, None] == rk[None, :], key[:, None], 0), 0)
+    cand = tl.where(cand >= 0, cand, -1)
+    tl.store(CAND + (bh * n_chunks + c) * N_SEL + rk, cand, mask=rk < N_SEL)

@@ -1,0 +1,93 @@
+"""Launch 4 of a decode step (grid (n_split_sel + n_split_win) x B*Hkv): each selection program merges the
+chunks' candidates with the forced blocks and attends its share of the selected blocks (program 0 writes
+the indices); the window programs attend their share of the window ring."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .parts import _attend_tile, _store_partial, _window_partial
+
+
+@triton.jit
+def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+    """The selected blocks of one (b, KV head) [N_PAD]: the forced ones (first n_init, the n_local ending at
+    t // l') and the best of the chunks' candidates (the global top-n of the candidates is the top-n of the
+    chunks' top-n), ascending, -1 padded."""
+    jt = t // BLOCK_SEL
+    a = tl.minimum(jt + 1, N_INIT)  # forced blocks: [0, a) and [c0, jt]
+    c0 = tl.maximum(a, jt - N_LOCAL + 1)
+    n_forced = a + tl.maximum(jt - c0 + 1, 0)
+    need = N_SEL - n_forced
+    rk = tl.arange(0, N_PAD)
+    sel = tl.where(rk < a, rk.to(tl.int64), -1)
+    sel = tl.where((rk >= a) & (rk < n_forced), c0 + rk - a, sel)
+    # The best `need` candidates, one per round (keys are unique; -1 = none). Neither a rank-based merge
+    # (all pairs compared) nor four winners per round (a top-4 reduction) measured faster for the 272
+    # candidates of a 64k context: the selection program's time goes to its memory round trips.
+    rc = tl.arange(0, NC_PAD)
+    keys = tl.load(CAND + bh * n_cand + rc, mask=rc < n_cand, other=-1)
+    for r in range(0, need):
+        kmax = tl.max(keys, 0)
+        sel = tl.where((rk == n_forced + r) & (kmax >= 0), 2147483647 - (kmax & 4294967295), sel)
+        keys = tl.where(keys == kmax, -1, keys)
+    # ascending, -1 at the end: rank of each entry, then place it
+    sk = tl.where(sel >= 0, sel, 1073741824 + rk)
+    rank = tl.sum((sk[None, :] < sk[:, None]).to(tl.int32), 1)
+    return tl.sum(tl.where(rank[:, None] == rk[None, :], sel[:, None], 0), 0)
+
+
+@triton.jit
+def _sel_kernel(
+    Q, POS, CAND, KSEL, VSEL, KWIN, VWIN, IDX, PM, PL, PACC,
+    sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, W, n_cand, n_parts, part0, n_split_sel, n_split_cmp,
+    slots_per_prog, slots_per_split, qk_scale,
+    BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
+    N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+):
+    sp = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hkv
+    h = bh % Hkv
+    rg = tl.arange(0, BLOCK_G)
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    g_ok = rg < G
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
+                other=0.0)
+    t = tl.load(POS + b).to(tl.int64)
+    if sp >= n_split_sel:  # window programs (Tuning.window_with_sel): no merge, they start at once
+        m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_sel, Hkv, Dk, Dv, W, slots_per_split,
+                                        qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
+        _store_partial(PM, PL, PACC, bh * n_parts + n_split_cmp + sp - n_split_sel, m_i, l_i, acc, rg, rdv, BLOCK_G,
+                       BLOCK_DV)
+    else:
+        # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
+        # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
+        srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
+        rk = tl.arange(0, N_PAD)
+        if sp == 0:
+            tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        r_lo = sp * slots_per_prog
+        r_hi = tl.minimum(r_lo + slots_per_prog, N_SEL)
+        for r in range(r_lo, r_hi):
+            jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
+            if jb >= 0:
+                for c in range(0, BLOCK_SEL, BLOCK_N):
+                    u = jb * BLOCK_SEL + c + rn
+                    ok = (c + rn < BLOCK_SEL) & (u <= t)
+                    row = (b * max_len + u) * Hkv + h
+                    _, m_i, l_i, acc = _attend_tile(
+                        q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
+                        ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale,
+                        IEEE)
+        _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

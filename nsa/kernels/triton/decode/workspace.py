@@ -1,0 +1,164 @@
+"""How a decode step is split and launched (Tuning) and the split plan with its preallocated buffers
+(DecodeWorkspace), made once per cache and query-head count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..common import next_pow2 as _np2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _max_shared_mem(device) -> int:
+    """Opt-in shared memory per program of the device (bytes), as Triton's own resource checks see it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except (AttributeError, KeyError, TypeError):  # a Triton without the query: size for sm86-class GPUs
+        return 99 * 1024
+
+
+def _stages(tile_bytes: int, smem: int, low_precision: bool) -> int:
+    """Pipeline depth of a K/V tile loop: 3 for 16-bit tiles (2 for fp32), fewer where shared memory is short
+    (32 KiB kept for everything else the kernel stages)."""
+    fit = max(1, (smem - 32 * 1024) // tile_bytes)
+    return int(min(3 if low_precision else 2, fit))
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the step is split and launched (None: the default).
+    target_programs: programs per launch to aim for (default: 4 per SM).
+    block_n: keys per tile (default 64, 32 for head dims > 128).
+    tiles_per_program: key tiles of every compressed and window program (default: from target_programs,
+        at least min_tiles).
+    min_tiles: the least key tiles per compressed / window program (default 3: one-tile programs left many
+        partials to merge; H100, paper heads: 8k x 8 38.9 -> 35.4 us, 64k x 1 29.0 -> 26.6 us per step).
+    chunk_j: selection blocks per scoring program (default: up to 64).
+    sel_splits: selection programs per (b, KV head) (default: about 2 per SM in all, at most n_sel).
+    dv_tile: output columns per combine program (default 8).
+    part_chunk: partials per combine load and branch (default 256 / padded G).
+    warps_*: warps of each kernel; stages_cmp: pipeline depth of the compressed/window loop (default 2,
+        fewer where shared memory is short).
+    target_cmp: compressed programs per launch, at most (default on CUDA: 3 per SM, one wave of the programs
+        an SM holds at once; with target_programs set: that, rounded up per (b, KV head)).
+    cmp_align: compressed blocks per program are a multiple of this (default block_n: whole tiles; 16 gave
+        64k x 8 12 programs of 5.5 tiles per (b, KV head) instead of 11 of 6, and measured no faster).
+    window_with_sel: the window's programs run in the selection launch (default), else in the compressed one.
+        The window needs no scores; beside the selection programs, which wait on the candidate merge, its
+        memory traffic overlaps theirs instead of lengthening the compressed launch, the longest of the step.
+    Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
+
+    target_programs: int | None = None
+    block_n: int | None = None
+    chunk_j: int | None = None
+    dv_tile: int | None = None
+    warps_cmp: int = 4
+    warps_score: int = 4
+    warps_sel: int = 4
+    warps_combine: int = 4
+    stages_cmp: int | None = None
+    part_chunk: int | None = None
+    sel_splits: int | None = None
+    tiles_per_program: int | None = None
+    min_tiles: int = 3
+    target_cmp: int | None = None
+    cmp_align: int | None = None
+    window_with_sel: bool = True
+
+
+class DecodeWorkspace:
+    """Split plan and preallocated buffers of the decode step for one cache and query-head count."""
+
+    def __init__(self, cache, Hq: int, tuning: Tuning):
+        cfg = cache.config
+        B, Hkv, Dk, Dv = cache.batch, cache.n_kv_heads, cache.d_k, cache.d_v
+        device = cache.device
+        self.G = Hq // Hkv
+        self.BLOCK_G = max(16, _np2(self.G))
+        self.BLOCK_DK = max(16, _np2(Dk))
+        self.BLOCK_DV = max(16, _np2(Dv))
+        self.BLOCK_N = tuning.block_n or (64 if max(self.BLOCK_DK, self.BLOCK_DV) <= 128 else 32)
+        self.BLOCK_N_SEL = min(max(16, _np2(cfg.block_sel)), self.BLOCK_N)
+        BH = B * Hkv
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        target = tuning.target_programs or (4 * sms if sms else 64)
+        self.target_programs = target
+        per_bh = max(1, _cdiv(target, BH))
+        # Compressed launch: one wave of the three programs an SM holds (2 pipeline stages, 146 registers on
+        # sm_90), not a second, partial wave (H100, paper heads, 64k x 8: 32.6 -> 30.2 us; 4 per SM: 36.0).
+        target_cmp = tuning.target_cmp or (3 * sms if sms and not tuning.target_programs else None)
+        per_bh_cmp = max(1, target_cmp // BH) if target_cmp else per_bh
+        bn = self.BLOCK_N
+        NB = cache.cmp_capacity
+        W = cache.window_slots
+        if tuning.tiles_per_program:  # every compressed and window program the same work: no long stragglers
+            self.blocks_per_split = self.slots_per_split = tuning.tiles_per_program * bn
+        else:  # about target_programs in all, at least min_tiles tiles each
+            n_split = min(per_bh_cmp, _cdiv(NB, bn))
+            align = tuning.cmp_align or bn  # shares of cmp_align blocks: even shares (the last tile masked)
+            self.blocks_per_split = max(_cdiv(_cdiv(NB, n_split), align) * align, tuning.min_tiles * bn)
+            n_split = min(per_bh, _cdiv(W, bn))
+            self.slots_per_split = max(_cdiv(_cdiv(W, n_split), bn), tuning.min_tiles) * bn
+        self.n_split_cmp = _cdiv(NB, self.blocks_per_split)
+        self.n_split_win = _cdiv(W, self.slots_per_split)
+        # Selection: about 2 programs per SM (each merges the candidates itself, so fewer, longer programs
+        # measured faster than the 4 per SM of the other branches).
+        sel_splits = tuning.sel_splits or max(1, _cdiv(target // 2, BH))
+        self.slots_per_prog = _cdiv(cfg.n_sel, min(sel_splits, cfg.n_sel))
+        self.n_split_sel = _cdiv(cfg.n_sel, self.slots_per_prog)
+        self.n_parts = self.n_split_cmp + self.n_split_win + self.n_split_sel
+        self.window_with_sel = tuning.window_with_sel
+        win = self.n_split_win
+        self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
+        self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
+        self.NJ = cfg.n_sel_blocks(cache.max_len)
+        # 64 selection blocks per scoring program: many programs even for one sequence, and a cheap rank-based
+        # top-n per chunk (64 x 64 comparisons).
+        cj = tuning.chunk_j or min(64, max(16, _np2(self.NJ)))
+        cj = max(cj, _np2(cfg.n_sel))
+        cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 4096)))  # at most 4096 candidates to merge
+        self.CHUNK_J = cj
+        self.n_chunks = _cdiv(self.NJ, cj)
+        self.N_PAD = _np2(cfg.n_sel)
+        self.n_cand = self.n_chunks * cfg.n_sel
+        self.NC_PAD = _np2(self.n_cand)
+        self.SPLIT_PAD = _np2(self.n_split_cmp)
+        self.BLOCK_L = _np2(cfg.block_cmp)
+        # Combine: many programs (the merge is latency-bound), each loading [chunk, G, DV_TILE] fp32 tiles of
+        # partials, one per branch, at most part_chunk partials (default 16 x 16 / padded G) per load. Wider
+        # tiles (32 x 16 x 16) spilled registers and ran twice as long.
+        self.DV_TILE = min(tuning.dv_tile or 8, self.BLOCK_DV)
+        cap = tuning.part_chunk or max(1, 256 // self.BLOCK_G)
+        self.CHUNK_CMP, self.CHUNK_WIN, self.CHUNK_SEL = (
+            max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
+        self.tuning = tuning
+        if device.type == "cuda":
+            smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
+            kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
+            # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
+            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low))
+            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
+            if self.window_with_sel:  # its window loop is pipelined like the compressed one
+                self.stages_sel = min(self.stages_sel, self.stages_cmp)
+        f32 = dict(device=device, dtype=torch.float32)
+        self.pos = torch.zeros(B, dtype=torch.int32, device=device)
+        self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
+        self.pl = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
+        self.pacc = torch.empty(BH, self.n_parts, self.BLOCK_G, self.BLOCK_DV, **f32)
+        self.scratch = torch.empty(BH, self.BLOCK_G, NB, **f32)
+        self.cand = torch.empty(BH, self.n_cand, dtype=torch.int64, device=device)
+        self.scores = torch.zeros(BH, self.NJ, **f32)
+        self.indices = torch.empty(B, 1, Hkv, cfg.n_sel, dtype=torch.int32, device=device)
+
+    def describe(self) -> str:
+        """The split plan, e.g. "cmp17x256/win8x64/sel16x1/chunks5x256" (programs x items per program)."""
+        win = "+win" if self.window_with_sel else ""
+        return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
+                f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}")

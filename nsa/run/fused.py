@@ -1,0 +1,39 @@
+"""The fused executor: every step on its whole-T implementation, a fixed sequence of GPU operations (no
+Python loop over queries, no host synchronisation for dense input). The backward is each operation's own
+(FA-2 for cmp and win, the Triton selection backward, the compression's and the combine's); for dense input
+on FA-2-family providers the steps run as one autograd node instead (nsa.run.dense_core)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import telemetry
+from ..branches.combine.naive import combine_torch
+from ..branches.selected.naive import dedupe_indices
+from ..compress import compress_kv
+from . import dense_core
+from .common import branch_kv
+
+
+def run_fused(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, compress_fn=None,
+              block_indices=None, need_indices=False, chunk=None):
+    scale = cfg.softmax_scale(q.shape[-1])
+    kc, vc, kw, vw = branch_kv(k, v, kv_cmp, kv_win)
+    window = dense_core.start_window(plan, q, kw, vw, layout, cfg, scale) if plan.dense_core else None
+    k_cmp, v_cmp = compress_kv(kc, vc, layout, cfg, compress_fn)
+    given = dedupe_indices(block_indices).to(torch.int32) if block_indices is not None else None
+    if plan.dense_core:
+        telemetry.event("pipeline", "fused", "dense_core")
+        out, indices = dense_core.run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, given,
+                                      window)
+        return out, (indices if need_indices else None)
+    o_cmp, lse = plan.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
+    indices = given if given is not None else plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)
+    o_sel = plan.sel.fn(q, k, v, indices, layout, cfg, scale)
+    o_win = plan.win.fn(q, kw, vw, layout, cfg, scale)
+    combine = plan.combine.fn or combine_torch
+    out = combine(gates, o_cmp, o_sel, o_win)
+    return out, (indices if need_indices else None)
+
+
+__all__ = ["run_fused"]

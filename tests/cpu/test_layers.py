@@ -1,0 +1,89 @@
+"""The library's layering, checked from the source: imports point one way (api -> plan -> run -> branches ->
+kernels), the kernels read no toggle and write no telemetry, and planning imports no triton."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NSA = ROOT / "nsa"
+LAYERS = ("nsa.attention", "nsa.decode", "nsa.functional", "nsa.plan", "nsa.run", "nsa.branches", "nsa.kernels")
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, mod: str | None = None) -> set[str]:
+    """Every nsa module `path` (the module `mod`) imports, anywhere in the file, relative imports resolved."""
+    mod = mod or _module(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found |= {f"{base}.{a.name}" for a in node.names} | {base}
+    return {m for m in found if m == "nsa" or m.startswith("nsa.")}
+
+
+def _layer(name: str) -> int | None:
+    return next((i for i, layer in enumerate(LAYERS) if name == layer or name.startswith(layer + ".")), None)
+
+
+SOURCES = sorted(NSA.rglob("*.py"))
+
+
+def _upward(path: Path, mod: str) -> list[str]:
+    own = _layer(mod)
+    if own is None:
+        return []
+    return sorted(m for m in _imports(path, mod) if _layer(m) is not None and _layer(m) < own)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    up = _upward(path, _module(path))
+    assert not up, f"{_module(path)} imports a higher layer: {up}"
+
+
+def test_kernels_are_mechanism_only():
+    """No module under nsa/kernels imports the toggles, the telemetry or planning."""
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[1:2] in (["toggles"],
+                                                                                         ["telemetry"]))
+           for p in (NSA / "kernels").rglob("*.py")}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_the_scan_sees_an_upward_import(tmp_path):
+    """Relative imports are resolved: a kernel module importing the plan or the telemetry is caught."""
+    f = tmp_path / "probe.py"
+    f.write_text("def f():\n    from ...plan import rules\n\nimport nsa.telemetry\nfrom . import tma\n")
+    mod = "nsa.kernels.triton.probe"
+    assert {"nsa.plan", "nsa.plan.rules", "nsa.telemetry", "nsa.kernels.triton.tma"} <= _imports(f, mod)
+    assert _upward(f, mod) == ["nsa.plan", "nsa.plan.rules"]
+    assert _upward(f, "nsa.plan.probe") == []
+
+
+def test_importing_the_planner_and_the_fast_twins_imports_no_triton():
+    """The plan names the Triton twins directly; they import their kernels (and triton) on first call only,
+    so `import nsa` and its planner work where triton is broken (availability then says why)."""
+    code = ("import sys\n"
+            "import nsa.functional, nsa.decode, nsa.plan, nsa.run\n"
+            "import nsa.branches.selected.triton, nsa.branches.combine.triton, nsa.branches.sliding.triton\n"
+            "import nsa.branches.decode.triton\n"
+            "assert 'triton' not in sys.modules, [m for m in sys.modules if m.startswith('nsa.kernels.triton')]\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1,0 +1,143 @@
+"""bench/train_showcase.py on CPU: the smoke run end to end, the corpora (fineweb-edu's loader with a stand-in
+`datasets`, the fallback when the hub does not answer), packed batches and the packed loss."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location(
+    "train_showcase", Path(__file__).parents[2] / "bench" / "train_showcase.py"
+)
+TS = importlib.util.module_from_spec(_spec)
+sys.modules["train_showcase"] = TS  # dataclasses look their module up by name
+_spec.loader.exec_module(TS)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_smoke_trains_both_models_dense_and_packed(tmp_path, monkeypatch):
+    monkeypatch.setenv("NSA_ACCUM", "2")
+    report = TS.main(
+        [
+            "--tiny",
+            "--steps",
+            "2",
+            "--seq-lens",
+            "64",
+            "--packed",
+            "--dataset",
+            "pydoc",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    runs = {(r["attention"], r["packed"]): r for r in report["runs"]}
+    assert set(runs) == {("nsa", False), ("dense", False), ("nsa", True), ("dense", True)}
+    for r in runs.values():
+        assert r["tokens_per_step"] == 2 * 64 and r["tok_s"] > 0
+        assert torch.isfinite(torch.tensor([r["loss_first"], r["loss_last"]])).all()
+    assert runs[("nsa", False)]["nsa_paths"] and runs[("dense", False)]["nsa_paths"] is None
+    assert set(report["nsa_over_dense_tok_s"]) == {"64", "64_packed"}
+    saved = json.loads((tmp_path / "train_showcase.json").read_text())
+    assert saved["corpus"]["corpus"] == "pydoc" and saved["args"]["accum"] == 2
+    assert len((tmp_path / "train_showcase.csv").read_text().splitlines()) == 1 + 4 * 2
+
+
+def _fake_datasets(monkeypatch, texts, calls):
+    mod = types.ModuleType("datasets")
+
+    def load_dataset(path, name=None, split=None, streaming=False):
+        calls.append((path, name, split, streaming))
+        return iter({"text": t} for t in texts)
+
+    mod.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", mod)
+
+
+def test_fineweb_is_streamed_through_datasets_up_to_the_byte_budget(monkeypatch):
+    calls = []
+    _fake_datasets(monkeypatch, ["first doc", "second doc", "third doc"], calls)
+    monkeypatch.setattr(TS, "hub_unreachable", lambda timeout: None)
+    docs, corpus = TS.load_corpus("fineweb_edu", max_bytes=15, hub_timeout=1)
+    assert docs == [b"first doc", b"second doc"]  # stops once 15 bytes are in
+    assert corpus == {"corpus": "fineweb_edu", "fallback": None}
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
+
+
+def test_an_unreachable_hub_falls_back_to_pydoc_and_says_why(monkeypatch, capsys):
+    calls = []
+    _fake_datasets(monkeypatch, ["never read"], calls)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    docs, corpus = TS.load_corpus("fineweb_edu", max_bytes=100, hub_timeout=2)
+    assert corpus["corpus"] == "pydoc" and "did not answer" in corpus["fallback"] and not calls
+    assert len(docs) > 10 and "using the pydoc corpus" in capsys.readouterr().out
+
+
+def test_offline_mode_and_a_failing_loader_fall_back_too(monkeypatch):
+    _fake_datasets(monkeypatch, ["never read"], [])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, corpus = TS.load_corpus("fineweb_edu", max_bytes=100, hub_timeout=1)
+    assert "HF_HUB_OFFLINE" in corpus["fallback"]
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    mod = types.ModuleType("datasets")
+    mod.load_dataset = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("503"))
+    monkeypatch.setitem(sys.modules, "datasets", mod)
+    monkeypatch.setattr(TS, "hub_unreachable", lambda timeout: None)
+    _, corpus = TS.load_corpus("fineweb_edu", max_bytes=100, hub_timeout=1)
+    assert corpus["corpus"] == "pydoc" and "ConnectionError: 503" in corpus["fallback"]
+
+
+def test_unknown_dataset_and_bad_batch_variables_are_refused(monkeypatch):
+    with pytest.raises(SystemExit, match="--dataset must be"):
+        TS.load_corpus("wikipedia", max_bytes=1, hub_timeout=1)
+    monkeypatch.setenv("NSA_BATCH_SIZE", "0")
+    with pytest.raises(SystemExit, match="NSA_BATCH_SIZE must be a positive integer"):
+        TS.parse_args([])
+    monkeypatch.setenv("NSA_BATCH_SIZE", "two")
+    with pytest.raises(SystemExit, match="NSA_BATCH_SIZE"):
+        TS.parse_args([])
+
+
+def test_packed_batches_cover_the_stream_with_whole_documents():
+    data = TS.Batches([b"ab", b"cdefg", b"h", b"ijklmnopq"], seed=3)
+    data.reset()
+    for total in (1, 5, 17, 40):
+        toks, cu = data.packed(total)
+        c = cu.tolist()
+        assert toks.shape == (1, total + 1) and c[0] == 0 and c[-1] == total
+        assert all(b > a for a, b in zip(c, c[1:]))
+
+
+@pytest.mark.parametrize("attention", ["dense", "nsa"])
+def test_packed_loss_is_the_token_weighted_loss_of_each_document_alone(attention):
+    shape = TS.ModelShape(1, 32, 2, 1, 16, 16)
+    model = TS.build(attention, shape, torch.device("cpu"), seed=0).double()
+    data = TS.Batches([bytes(range(65, 65 + n)) for n in (5, 90, 3, 70)], seed=1)
+    data.reset()
+    toks, cu = data.packed(160)  # documents longer than NSA's window and blocks
+    got = TS.lm_loss(model, toks, cu)
+    c = cu.tolist()
+    total, count = 0.0, 0
+    for a, b in zip(c, c[1:]):
+        if b - a >= 2:  # a document's last input token predicts nothing
+            doc = toks[:, a:b]
+            n = b - a - 1
+            total += TS.lm_loss(model, doc).item() * n
+            count += n
+    assert got.item() == pytest.approx(total / count, rel=1e-6)  # the loss itself is taken in fp32

@@ -158,10 +158,10 @@ def seed_figures(device, slow, sync, clock, *, repeats: int) -> dict:
     from nsa import NSAConfig, plan, toggles
     from nsa.branches.compressed.fa2 import compressed_fa2
     from nsa.branches.compressed.sdpa import compressed_sdpa
+    from nsa.branches.context import CallContext
     from nsa.branches.sliding.fa2 import sliding_fa2
     from nsa.branches.sliding.sdpa import sliding_sdpa
     from nsa.compress import compress_kv
-    from nsa.branches.context import CallContext
     from nsa.kernels.flash_wrappers import flash_provider
     from nsa.layout import dense_layout
     from nsa.model.llama_block_nsa import LlamaBlockNSA
@@ -198,7 +198,7 @@ def seed_figures(device, slow, sync, clock, *, repeats: int) -> dict:
     ncfg, tg, scale = NSAConfig(), toggles.read(), D ** -0.5
     layout = dense_layout(1, T, ncfg, torch.device(device))
     kc, vc = compress_kv(k, v, layout, ncfg)
-    ctx = CallContext(Shapes(1, T, Hq, Hkv, D, D), q.dtype, torch.device(device), False)
+    ctx = CallContext(Shapes(1, T, Hq, Hkv, D, D), q.dtype, torch.device(device), False, kernel_dtype=q.dtype)
     for branch, fa2, sdpa, kv in (("cmp", compressed_fa2, compressed_sdpa, (kc, vc)),
                                   ("win", sliding_fa2, sliding_sdpa, (k, v))):
         with torch.no_grad():

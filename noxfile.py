@@ -146,6 +146,46 @@ def sanitizer(session: nox.Session) -> None:
                 env={"NSA_REQUIRE_SANITIZER": "0" if skip else "1"})
 
 
+@nox.session
+def runbooks(session: nox.Session) -> None:
+    """The nsa-vibe runbook's and GPU test plan's commands that need no GPU, as written (tests/runbooks.sh;
+    docs/migration.md): about 15 minutes on 2 cores. Args: a step-name filter."""
+    install_cell(session)
+    # The documents' `uv run -q ...` lines need uv: nox's own (requirements/bootstrap.txt) after the venv's bin.
+    path = os.pathsep.join([session.bin, str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    session.run("bash", "tests/runbooks.sh", *session.posargs, external=True, env={"PATH": path})
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build the sdist and the wheel (`python -m build`) into dist/, check them with `twine check --strict`, and
+    check that the wheel ships LICENSE, NOTICE and py.typed and requires numpy. Tools from the hash-pinned
+    requirements/locks/tools.txt; no torch needed."""
+    if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+        session.install("--require-hashes", "-r", "requirements/locks/tools.txt")
+    out = ROOT / "dist"
+    for old in out.glob("nsa-*"):
+        old.unlink()
+    session.run("python", "-m", "build", "--outdir", str(out), ".")
+    session.run("python", "-m", "twine", "check", "--strict", *map(str, sorted(out.glob("nsa-*"))))
+    session.run("python", "-c", _WHEEL_CHECK, *map(str, out.glob("nsa-*.whl")))
+
+
+_WHEEL_CHECK = """
+import sys, zipfile
+(wheel,) = sys.argv[1:]
+names = zipfile.ZipFile(wheel).namelist()
+meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+need = {"nsa/py.typed": any(n == "nsa/py.typed" for n in names),
+        "LICENSE": any(n.endswith("licenses/LICENSE") for n in names),
+        "NOTICE": any(n.endswith("licenses/NOTICE") for n in names),
+        "Requires-Dist: numpy": "Requires-Dist: numpy" in meta,
+        "License-Expression: Apache-2.0": "License-Expression: Apache-2.0" in meta}
+missing = [k for k, ok in need.items() if not ok]
+print(wheel, "ships", ", ".join(need)) if not missing else sys.exit(f"{wheel} lacks: {', '.join(missing)}")
+"""
+
+
 @nox.session(venv_backend="none")
 def publish(session: nox.Session) -> None:
     """Merge artifacts/**/known_good.json (or `-- FILES/DIRS`) into KNOWN_GOOD.md and known_good.json, judging each

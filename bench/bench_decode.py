@@ -15,6 +15,14 @@ Layer mode (the default; the seeds' command line):
   torch branch alone on the same state (cmp_ms, topk_ms = scores + top-n, sel_ms, win_ms; only the one named
   by --branch_force_mode cmp|sel|win, all for env|all; env also records the NSA_* toggles in the metadata).
 
+  With --config FILE (configs/base.yaml: the seeds' small layer) the shapes, S (bench.seq_len) and B come
+  from the file, command-line flags still override them. --steps N (default: the file's bench.steps, else
+  none) then also runs the prefill of S tokens followed by N decode steps through the layer, as generation
+  does: run_tok_per_s = B * (S + N) / (prefill + decode time), decode_tok_per_s = B * N / decode time.
+  The seeds' runbook line:
+
+    PYTHONPATH=. python bench/bench_decode.py --config configs/base.yaml --steps 200
+
 Fill mode (--preset paper|small|all, or --sweep, or --smoke):
 
     python bench/bench_decode.py --sweep --csv decode_sweep.csv          # the GPU sweep (about 3 minutes)
@@ -99,12 +107,48 @@ COLUMNS = [
     "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio", "tbps", "hbm_tbps", "hbm_frac",
     "dense_ms", "dense_eager_ms", "dense_graph_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
     "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
-    "target_programs", "splits",
+    "target_programs", "splits", "run_steps", "run_prefill_ms", "run_decode_ms", "run_tok_per_s",
+    "decode_tok_per_s", "run_finite",
 ]
+# --config FILE: (section, key) -> argument. configs/base.yaml has every key.
+CONFIG_KEYS = {
+    ("model", "dim"): "dim", ("model", "n_heads"): "heads", ("model", "n_kv_groups"): "groups",
+    ("model", "d_k"): "dk", ("model", "d_v"): "dv", ("nsa", "block_cmp"): "l", ("nsa", "stride_cmp"): "d",
+    ("nsa", "block_sel"): "l_sel", ("nsa", "n_sel"): "n_sel", ("nsa", "window"): "w",
+    ("bench", "seq_len"): "S_list", ("bench", "batch_size"): "B", ("bench", "steps"): "steps",
+}
+
+
+def load_config(path: str) -> dict:
+    """The argument defaults a --config YAML file sets ({argument: value}); errors name the file and key."""
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise SystemExit(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)") from None
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as e:
+        raise SystemExit(f"--config {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: expected a mapping of sections (model, nsa, bench)")
+    out = {}
+    for (section, key), arg in CONFIG_KEYS.items():
+        value = (data.get(section) or {}).get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if arg == "steps" else 1):
+            raise SystemExit(f"--config {path}: {section}.{key} must be a positive integer, got {value!r}")
+        out[arg] = str(value) if arg == "S_list" else value
+    return out
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, help="YAML file of shapes, S, B and steps (configs/base.yaml); "
+                   "flags given on the command line override it")
+    p.add_argument("--steps", type=int, default=None, help="layer mode: also run the prefill of S tokens then "
+                   "this many decode steps through the layer (default: the config's bench.steps, else none)")
     p.add_argument("--B", type=int, default=1, help="batch (layer mode)")
     p.add_argument("--dim", type=int, default=256, help="model dim of the NSAAttention layer")
     p.add_argument("--heads", type=int, default=8, help="query heads")
@@ -141,8 +185,15 @@ def parse_args(argv=None):
     p.add_argument("--tune", default=None, help="fill mode, CUDA: also measure the held-to cells with these "
                    "program targets of the Triton step, as multiples of the SM count (default with --sweep: 2,8; "
                    "the step's own default is 4)")
+    pre, _ = p.parse_known_args(argv)
+    if pre.config:
+        p.set_defaults(**load_config(pre.config))
     args = p.parse_args(argv)
     args.fill = bool(args.preset or args.sweep or args.smoke)
+    if args.steps is not None and args.steps < 0:
+        p.error("--steps must be >= 0")
+    if args.steps and args.fill:
+        p.error("--steps applies to layer mode (not with --preset, --sweep or --smoke)")
 
     def ints(text, name):
         try:
@@ -464,6 +515,7 @@ def layer_row(S, args, device, dtype) -> dict:
     B, Hq, Hkv = args.B, args.heads, args.groups
     timing = _timing(args)
     cache = layer.new_cache(B, S + 1 + timing.inner + 8)  # room for one timed batch of steps
+    run = run_generation(layer, args.dim, B, S, args.steps, device, dtype) if args.steps else {}
     row = {"S": S, "B": B, "dim": args.dim, "heads": Hq, "groups": Hkv, "dk": args.dk, "dv": args.dv,
            "l": args.l, "d": args.d, "l_sel": args.l_sel, "n_sel": args.n_sel, "w": args.w,
            "branch_force_mode": args.branch_force_mode, "device": str(device),
@@ -552,7 +604,33 @@ def layer_row(S, args, device, dtype) -> dict:
         row["dense_tbps"] = row["dense_kv_bytes"] / (row["dense_ms"] * 1e-3) / 1e12
         row["hbm_tbps"] = hbm_tbps(device)
         row["hbm_frac"] = row["tbps"] / row["hbm_tbps"] if row["hbm_tbps"] else None
+    row.update(run)
     return row
+
+
+def run_generation(layer, dim: int, B: int, S: int, steps: int, device, dtype) -> dict:
+    """Prefill S tokens, then `steps` decode steps one token at a time through the layer (its own cache), as
+    generation runs: the run_* columns. Warmed up once on a short prefix so compilation is not timed."""
+    with torch.no_grad():
+        x = torch.randn(B, S + steps, dim, device=device, dtype=dtype)
+        warm = layer.new_cache(B, 64)
+        layer(x[:, :32], warm)
+        layer(x[:, 32:33], warm)
+        cache = layer.new_cache(B, S + steps)
+        sync(device)
+        t0 = time.perf_counter()
+        out = layer(x[:, :S], cache)
+        sync(device)
+        t1 = time.perf_counter()
+        finite = bool(torch.isfinite(out).all())
+        for i in range(S, S + steps):
+            out = layer(x[:, i:i + 1], cache)
+        sync(device)
+        t2 = time.perf_counter()
+        finite = finite and bool(torch.isfinite(out).all())
+    return dict(run_steps=steps, run_prefill_ms=(t1 - t0) * 1e3, run_decode_ms=(t2 - t1) * 1e3,
+                run_tok_per_s=B * (S + steps) / (t2 - t0), decode_tok_per_s=B * steps / (t2 - t1),
+                run_finite=finite)
 
 
 def _timing(args):
@@ -624,6 +702,11 @@ def main(argv=None) -> int:
                       f(r["cmp_ms"]), f(r["topk_ms"]), f(r["sel_ms"]), f(r["win_ms"]), fmt_bytes(r["kv_bytes"]),
                       fmt_bytes(r["dense_kv_bytes"]), f(r["dense_ms"]), f(r["speedup_vs_dense"], 2)] for r in rows],
                     con)
+    for r in rows:
+        if r.get("run_steps"):
+            print(f"S={r['S']} B={r['B']}: prefill {f(r['run_prefill_ms'], 1)} ms + {r['run_steps']} decode steps "
+                  f"{f(r['run_decode_ms'], 1)} ms = {f(r['run_tok_per_s'], 0)} tok/s (decode alone "
+                  f"{f(r['decode_tok_per_s'], 0)} tok/s), outputs finite: {r['run_finite']}")
     if skipped:
         print(f"skipped after --max-seconds: {', '.join(skipped)}")
     print(f"wrote {csv_path} and {side}")

@@ -7,6 +7,13 @@ Figures (bf16 on CUDA, fp32 on CPU; paper block sizes; B=1, Hq=16, Hkv=2, D=128;
   decode_step_ms       one nsa_decode step after a prefill of S tokens into an NSACache (ms)
   speedup_fwd_bwd_vs_fa2_8k, _64k   CUDA only: dense causal FA-2 forward+backward time (SDPA, flash backend, GQA)
                        over nsa_attention's, both in each repeat; Hq=64, Hkv=4, T=8192 / 65536 (x, higher is better)
+  seed_*               CUDA only, the seed runbooks' acceptance figures (bench/baselines.json "acceptance" gives
+                       each its fixed limit, on every GPU): seed_block_fwd_s128_ms, the runbook's tiny LlamaBlockNSA
+                       (dim 256, 8 heads, 2 KV groups, d 32) forward at S=128 in fp32 (< 1000 ms);
+                       seed_prefill_decode_tok_per_s_2k, configs/base.yaml's layer prefilling S=2048 then 200 decode
+                       steps (bench/bench_decode.py --config configs/base.yaml --steps 200; > 300 tok/s);
+                       seed_fa2_over_sdpa_cmp / _win, the FA-2 provider that serves here over the SDPA provider on
+                       each branch at T=4096, Hq=64, Hkv=4, D=128, bf16 (> 1.2x)
 Each figure: `warmup` untimed calls, then `repeats` repeats of `iters` calls timed with a device
 synchronization at both ends; a repeat's value is the mean per call, the figure the median of the repeats
 (min/max kept). The clock is wall time on CUDA and this process's CPU time on CPU (so a loaded CI machine
@@ -105,6 +112,7 @@ def _inputs(shape, device, dtype, requires_grad=False, seed=0):
 
 
 SPEEDUP_T = (8192, 65536)
+SEED_FA2_T = 4096  # the seeds' FA-2 over SDPA figure: a length above the tuned FA-2 thresholds
 SPEEDUP_SHAPE = dict(B=1, Hq=64, Hkv=4, D=128)
 
 
@@ -139,6 +147,71 @@ def speedup_vs_fa2(T: int, device, dtype, cfg, slow, sync, clock, *, warmup: int
     return {"value": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "repeats": ratios,
             "iters": 1, "warmup": warmup, "unit": "x", "better": "higher", "T": T, **SPEEDUP_SHAPE,
             "nsa_fwd_bwd_ms": statistics.median(nsa_ms), "dense_fa2_fwd_bwd_ms": statistics.median(dense_ms)}
+
+
+def seed_figures(device, slow, sync, clock, *, repeats: int) -> dict:
+    """The seed runbooks' acceptance figures (see the module docstring), CUDA only."""
+    import importlib.util
+
+    import torch
+
+    from nsa import NSAConfig, plan, toggles
+    from nsa.branches.compressed.fa2 import compressed_fa2
+    from nsa.branches.compressed.sdpa import compressed_sdpa
+    from nsa.branches.context import CallContext
+    from nsa.branches.sliding.fa2 import sliding_fa2
+    from nsa.branches.sliding.sdpa import sliding_sdpa
+    from nsa.compress import compress_kv
+    from nsa.kernels.flash_wrappers import flash_provider
+    from nsa.layout import dense_layout
+    from nsa.model.llama_block_nsa import LlamaBlockNSA
+    from nsa.validation import Shapes
+
+    figs, one = {}, dict(sync=sync, clock=clock)
+    torch.manual_seed(0)
+    blk = LlamaBlockNSA(dim=256, n_heads=8, n_kv_groups=2, d_k=32, d_v=32).to(device).eval()
+    x = torch.randn(1, 128, 256, device=device)
+
+    def block_fwd():
+        with torch.inference_mode():
+            return blk(x)
+
+    figs["seed_block_fwd_s128_ms"] = measure(slow(block_fwd), warmup=2, iters=3, repeats=repeats, **one)
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).resolve().parent / "bench_decode.py")
+    dec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dec)
+    args = dec.parse_args(["--config", str(Path(__file__).resolve().parents[1] / "configs" / "base.yaml")])
+    cfg = NSAConfig(block_cmp=args.l, stride_cmp=args.d, block_sel=args.l_sel, n_sel=args.n_sel, window=args.w)
+    layer = dec.NSAAttention(args.dim, args.heads, args.groups, args.dk, args.dv, cfg).to(device, torch.bfloat16).eval()
+    rates = [dec.run_generation(layer, args.dim, args.B, args.S[0], args.steps, device, torch.bfloat16)["run_tok_per_s"]
+             for _ in range(repeats)]
+    figs["seed_prefill_decode_tok_per_s_2k"] = {"value": statistics.median(rates), "min": min(rates),
+                                                "max": max(rates), "repeats": rates, "iters": 1, "warmup": 1,
+                                                "unit": "tok/s", "better": "higher", "S": args.S[0],
+                                                "steps": args.steps}
+    name = flash_provider(varlen=False)
+    if name is None:
+        return figs
+    T, Hq, Hkv, D = SEED_FA2_T, 64, 4, 128
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, T, h, D, device=device, dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
+    ncfg, tg, scale = NSAConfig(), toggles.read(), D ** -0.5
+    layout = dense_layout(1, T, ncfg, torch.device(device))
+    kc, vc = compress_kv(k, v, layout, ncfg)
+    ctx = CallContext(Shapes(1, T, Hq, Hkv, D, D), q.dtype, torch.device(device), False, kernel_dtype=q.dtype)
+    for branch, fa2, sdpa, kv in (("cmp", compressed_fa2, compressed_sdpa, (kc, vc)),
+                                  ("win", sliding_fa2, sliding_sdpa, (k, v))):
+        with torch.no_grad():
+            f = measure(lambda fa2=fa2, kv=kv: fa2(plan.PROVIDERS[name], ctx, tg, q, *kv, layout, ncfg, scale),
+                        warmup=2, iters=5, repeats=repeats, **one)
+            s_ = measure(lambda sdpa=sdpa, kv=kv: sdpa(tg, q, *kv, layout, ncfg, scale), warmup=2, iters=5,
+                         repeats=repeats, **one)
+        ratios = [b / a for a, b in zip(f["repeats"], s_["repeats"])]
+        figs[f"seed_fa2_over_sdpa_{branch}"] = {"value": statistics.median(ratios), "min": min(ratios),
+                                                 "max": max(ratios), "repeats": ratios, "unit": "x",
+                                                 "better": "higher", "provider": name, "T": T, "D": D,
+                                                 "fa2_ms": f["value"], "sdpa_ms": s_["value"]}
+    return figs
 
 
 def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int | None = None,
@@ -203,6 +276,9 @@ def run(device: str = "cuda", size: str = "quick", repeats: int = 5, iters: int 
             if name in want or only is None:
                 figures[name] = speedup_vs_fa2(T, device, dtype, NSAConfig(), slow, sync, clock, warmup=1,
                                                repeats=min(repeats, 3))
+
+    if device.startswith("cuda") and (only is None or any(n.startswith("seed_") for n in want)):
+        figures.update(seed_figures(device, slow, sync, clock, repeats=min(repeats, 3)))
 
     return {"schema": SCHEMA, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "device": device,

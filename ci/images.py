@@ -101,8 +101,7 @@ def make_plan(matrix: Matrix, cell: Cell, *, root: Path = ROOT, repo: str | None
               if fa_source == "none" else f"upstream wheel by URL and sha256 ({pin})" if fa_source == "wheel" else
               f"compiled in the image from flash_attn-{fa_version}.tar.gz (sha256 "
               f"{matrix.flash_sdist_sha256(fa_version)[:12]}..., {pin})")
-    labels = {
-        "org.opencontainers.image.source": args["SOURCE_URL"], "org.opencontainers.image.revision": rev,
+    labels = {"org.opencontainers.image.source": args["SOURCE_URL"], "org.opencontainers.image.revision": rev,
         "org.opencontainers.image.created": date, "org.opencontainers.image.version": args["IMAGE_VERSION"],
         "nsa.cell": cell.id, "nsa.lock.sha256": lock_sha, "nsa.python": cell.python,
         "nsa.torch": args["TORCH_VERSION"], "nsa.cuda": cell.cuda, "nsa.triton": args["TRITON_VERSION"],

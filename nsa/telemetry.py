@@ -10,9 +10,11 @@ NSA_LOG_LIMIT times (default 5). Both variables are read at call time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 
 log = logging.getLogger("nsa")
@@ -53,6 +55,81 @@ def add_time(bucket: str, ms: float) -> None:
     with _lock:
         calls, total = _times.get(bucket, (0, 0.0))
         _times[bucket] = (calls + 1, total + float(ms))
+
+
+def timing_on() -> bool:
+    """NSA_DEBUG_TIMING=1, read at call time (the toggle's parser lives in nsa.toggles). Every attention
+    call passes here, the torch backend's too, so this is also where retired toggles are warned about."""
+    from .toggles import env_bool, warn_retired
+
+    warn_retired()
+    return env_bool("NSA_DEBUG_TIMING", False)
+
+
+def _sync_for(args) -> None:
+    for a in args:
+        if getattr(a, "is_cuda", False):
+            import torch
+
+            torch.cuda.synchronize(a.device)
+            return
+
+
+def timed(bucket: str, fn):
+    """fn, timed into `bucket` when NSA_DEBUG_TIMING=1 (synchronized on CUDA input), else fn itself."""
+    if not timing_on():
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _sync_for(args)
+        t0 = time.perf_counter()
+        res = fn(*args, **kwargs)
+        _sync_for(args)
+        add_time(bucket, (time.perf_counter() - t0) * 1e3)
+        return res
+
+    return wrapper
+
+
+class stopwatch:  # noqa: N801 - used as a context manager, like a function
+    """`with stopwatch(tensor) as sw: ...` then sw.ms: wall time, synchronized when tensor is on CUDA."""
+
+    def __init__(self, *tensors):
+        self.tensors, self.ms = tensors, 0.0
+
+    def __enter__(self):
+        _sync_for(self.tensors)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _sync_for(self.tensors)
+        self.ms = (time.perf_counter() - self.t0) * 1e3
+        return False
+
+
+def _desc(name: str, t) -> str:
+    return f"{name}={tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" if t is not None else f"{name}=None"
+
+
+def log_call(executor: str, steps: dict, tensors: dict, total_ms: float, before: dict) -> None:
+    """NSA_DEBUG_TIMING=1: one log line per attention call: path (executor, each step's provider and
+    reason), input shapes and dtypes, device, total time and the time each branch bucket took in it."""
+    with _lock:
+        now = dict(_times)
+    spent = {k: round(v[1] - before.get(k, (0, 0.0))[1], 3) for k, v in sorted(now.items())
+             if v[0] != before.get(k, (0, 0.0))[0]}
+    device = next((str(t.device) for t in tensors.values() if t is not None), "?")
+    path = " ".join(f"{name}:{s.provider}/{s.reason}" for name, s in steps.items())
+    shapes = " ".join(_desc(n, t) for n, t in tensors.items())
+    log.warning("nsa.timing executor=%s path=[%s] %s device=%s total_ms=%.3f branch_ms=%s",
+                executor, path, shapes, device, total_ms, spent)
+
+
+def times_now() -> dict:
+    with _lock:
+        return dict(_times)
 
 
 # Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), or a

@@ -8,6 +8,8 @@ ignored. docs/backends.md has the table of every toggle with its default and mea
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 
 from .validation import NSAInputError
@@ -86,8 +88,52 @@ class Toggles:
         return self.min_len_win if branch == "win" else self.min_len_cmp
 
 
+# Toggles of earlier NSA code bases (nsa-vibe) that this library does not read, and what replaced each.
+# Setting one warns once per process (RetiredToggleWarning), naming it and its replacement, instead of
+# being silently ignored. docs/migration.md has the full table.
+RETIRED = {
+    "NSA_SDPA_AUDIT": "every routing decision is counted in nsa.telemetry.snapshot() and logged with NSA_DEBUG_LOG=1",
+    "NSA_SEL_TRITON_GROUP": "the Triton selection kernel is always group-centric (one program per KV head's query "
+    "group); there is nothing to switch",
+    "NSA_DEBUG_COMPARE": "the parity tests assert against the fp64 oracle and report the largest error on failure "
+    "(tests/gpu/test_triton_sel_parity_gpu.py)",
+    "NSA_BATCH_SIZE": "no training script reads it: bench/bench_decode.py --config configs/base.yaml takes the batch "
+    "from the configuration",
+    "NSA_ACCUM": "no training script reads it: tests/cpu/test_train_smoke.py (NSA_TEST_TRAIN=1) is the training smoke",
+}
+
+
+class RetiredToggleWarning(UserWarning):
+    """An NSA_* toggle of an earlier code base is set; this library ignores it (the message says what replaced it)."""
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_retired(environ=None) -> list[str]:
+    """Warn once per process for each retired toggle that is set; returns the names warned about now."""
+    environ = os.environ if environ is None else environ
+    fresh = []
+    with _warned_lock:
+        for name in RETIRED:
+            if name in environ and name not in _warned:
+                _warned.add(name)
+                fresh.append(name)
+    for name in fresh:
+        warnings.warn(f"{name} is set but has no effect in this library: {RETIRED[name]}", RetiredToggleWarning,
+                      stacklevel=3)
+    return fresh
+
+
+def reset_retired_warnings() -> None:
+    with _warned_lock:
+        _warned.clear()
+
+
 def read() -> Toggles:
-    """The toggles as the environment holds them now."""
+    """The toggles as the environment holds them now (and a one-time warning for each retired one set)."""
+    warn_retired()
     pref_raw = os.environ.get("NSA_FA2_PREF_FP16")
     pref = None if pref_raw is None or pref_raw.strip() == "" else env_bool("NSA_FA2_PREF_FP16", True)
     t = Toggles(

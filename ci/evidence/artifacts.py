@@ -31,8 +31,7 @@ PLANNED_SUITES = ("gpu_parity", "backward", "bench")
 SUITE_TITLES = {
     "gpu_parity": "GPU parity (FA-2 cmp/win, Triton selection if present, decode vs prefill, torch vs fp64 oracle)",
     "backward": "Grad/Train smokes (gradient parity, gradcheck fp64, training smoke: loss falls)",
-    "bench": "Benches (prefill, decode, FA-2) + bench gate",
-}
+    "bench": "Benches (prefill, decode, FA-2) + bench gate"}
 KNOWN_GOOD, HOST_ENV, EVIDENCE = "known-good", "passes-on-host", "evidence"
 # CI runs that may certify a commit: the commit on main that triggered them (a PR's merge commit, a manual
 # run of another ref or commit, is evidence for that change only).
@@ -268,8 +267,7 @@ class RunDir:
         sha = hashlib.sha256(lock.read_bytes()).hexdigest() if lock.exists() else None
         self.state["lock"] = {"path": str(lock.relative_to(ROOT)) if sha else None, "sha256": sha}
         if check is not None:
-            self.state["lock"]["check"] = {
-                k: (len(v) if isinstance(v, list) else v) for k, v in check.items()
+            self.state["lock"]["check"] = {k: (len(v) if isinstance(v, list) else v) for k, v in check.items()
                 if k in ("missing", "extra", "wrong_version", "local_label", "matching", "drift", "error")}
         self.state["image"] = {"digest": os.environ.get("NSA_IMAGE_DIGEST") or None,
                                "name": os.environ.get("NSA_IMAGE") or None}
@@ -379,19 +377,16 @@ def overlay_facts(overlay: dict | None) -> dict | None:
 def known_good_record(state: dict, artifact_dir: str) -> dict:
     """The run's entry for KNOWN_GOOD.md; its status comes from verdict()."""
     e, gate, lock = state.get("env") or {}, state.get("gate") or {}, state.get("lock") or {}
-    entry = {
-        "schema": KG_SCHEMA, "cell": state.get("cell"), "gpu": e.get("gpu"), "gpu_slug": state.get("gpu_slug"),
+    entry = {"schema": KG_SCHEMA, "cell": state.get("cell"), "gpu": e.get("gpu"), "gpu_slug": state.get("gpu_slug"),
         "gpu_count": e.get("gpu_count", 0), "sm": e.get("sm"), "driver": e.get("driver"), "host": e.get("host"),
         **{k: state.get(k) for k in ("run_id", "commit", "commit_short", "commit_source", "dirty", "github")},
-        "started": state.get("created"), "date": state.get("updated") or now_iso(),
-        "run_seconds": run_seconds(state),
+        "started": state.get("created"), "date": state.get("updated") or now_iso(), "run_seconds": run_seconds(state),
         "versions": {k: e.get(k) for k in ("python", "torch", "triton", "cuda", "cudnn", "flash_attn")},
         "lock": {k: lock.get(k) for k in ("path", "sha256")}, "lock_check": lock.get("check"),
         "image_digest": (state.get("image") or {}).get("digest"), "overlay": overlay_facts(state.get("overlay")),
         "suites": {n: {"status": s.get("status"), "runtime_s": s.get("runtime_s"),
                        **{k: (s.get("counts") or {}).get(k) for k in ("passed", "failed", "skipped")}}
-                   for n, s in sorted((state.get("suites") or {}).items())},
-        "bench_gate": gate.get("status"),
+                   for n, s in sorted((state.get("suites") or {}).items())}, "bench_gate": gate.get("status"),
         "headline": {r["figure"]: round(float(r["value"]), 4) for r in gate.get("rows") or []},
         "artifacts": artifact_dir,
     }
@@ -424,8 +419,7 @@ def render_summary(state: dict, kg: dict, files: list[str]) -> str:
     gpu = (f"{e['gpu_count']} x " if e.get("gpu_count", 0) > 1 else "") + (e.get("gpu") or "no GPU")
     dirty = {True: " (uncommitted changes)", None: " (tree not checked)"}.get(state.get("dirty"), "")
     chk, image = lock.get("check") or {}, state.get("image") or {}
-    lines = [
-        f"# NSA GPU run: {state.get('cell')} on {state.get('gpu_slug')}", "", "```",
+    lines = [f"# NSA GPU run: {state.get('cell')} on {state.get('gpu_slug')}", "", "```",
         f"GPU Host: {e.get('host', 'unknown')} / {gpu} / Driver {e.get('driver') or 'unknown'}",
         f"Commit: {state.get('commit')}{dirty} (from {state.get('commit_source')})",
         f"Torch/Triton/CUDA: torch {e.get('torch')}, triton {e.get('triton')}, cuda {e.get('cuda')}",
@@ -453,5 +447,6 @@ def render_summary(state: dict, kg: dict, files: list[str]) -> str:
     lines += [_suite_line("bench", suites.get("bench"))] + (["", "## Steps", ""] if state.get("steps") else [])
     lines += [f"- {x['name']}: {x['status']} ({_fmt_s(x.get('seconds'))})" + (f" [{x['log']}]" if x.get("log") else "")
               + (f" - {x['note']}" if x.get("note") else "") for x in state.get("steps") or []]
+    lines += ["", "## Report template", "", "```", *state["template"], "```"] if state.get("template") else []
     lines += ["", f"## Verdict: {status_text(kg)}", "", kg["reason"], "", "## Artifacts", ""]
     return "\n".join(lines + [f"- {f}" for f in files]) + "\n"

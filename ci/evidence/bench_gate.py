@@ -47,10 +47,10 @@ def compare(figures: dict, baselines: dict, cls: str) -> dict:
     """{'status', 'class', 'allowance', 'rows': [{figure, value, baseline, ratio, limit, status, source}]}."""
     default_allow = float(baselines.get("policy", {}).get("allowance", DEFAULT_ALLOWANCE))
     stored = baselines.get("classes", {}).get(cls, {}).get("figures", {})
-    rows = []
+    rows, floors = [], baselines.get("acceptance", {})  # the seeds' absolute figures: one limit for every GPU
     for name, fig in sorted(figures.items()):
         fig = fig if isinstance(fig, dict) else {"value": fig}
-        value, base = float(fig["value"]), stored.get(name)
+        value, base = float(fig["value"]), floors.get(name) or stored.get(name)
         row = {"figure": name, "value": value, "baseline": None, "ratio": None, "limit": None,
                "status": NO_BASELINE, "source": None, "unit": fig.get("unit", "ms")}
         if base is not None:

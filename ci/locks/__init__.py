@@ -288,8 +288,7 @@ def _write(out: Path, text: str, seal: bool = False) -> Path:
 def _cell_header(matrix: Matrix, cell: Cell, layers: list[str], uv_ver: str) -> str:
     fa, index = cell.flash_attn, matrix.index_url(cell, environ={})
     kind = "upstream wheel" if fa.source == "wheel" else "source package, compiled"
-    fields = {
-        "lock-format": LOCK_FORMAT, "cell": cell.id, "python": cell.python, "platform": matrix.platform,
+    fields = {"lock-format": LOCK_FORMAT, "cell": cell.id, "python": cell.python, "platform": matrix.platform,
         "cuda": "none (CPU)" if cell.cpu_only else cell.cuda, "torch": cell.torch, "triton": cell.triton,
         "flash-attn": f"none ({matrix.flash_none_reason(cell)})" if fa.source == "none" else
         f"{fa.version} ({kind}): pinned in {flash_lock_path(matrix, cell.id).name}, installed after this lock",

@@ -275,8 +275,7 @@ def validate_cell(c: Cell, upstream: dict[str, Any]) -> list[str]:
     supported = upstream.get("cuda", {}).get(c.cuda)
     bad_archs = [a for a in c.gpu_archs if a not in (supported or [])]
     build_os, run_os = image_os(c.base_image), image_os(c.runtime_image)
-    rules = [
-        (c.id != expected_id, f"id must be {expected_id!r} (from its cuda, torch and python)"),
+    rules = [(c.id != expected_id, f"id must be {expected_id!r} (from its cuda, torch and python)"),
         (c.python not in t["python"],
          f"torch {c.torch_public} publishes no wheel for Python {c.python} (only {t['python']})"),
         *((True, m) for m in _triton_problems(c, t)),
@@ -290,25 +289,21 @@ def validate_cell(c: Cell, upstream: dict[str, Any]) -> list[str]:
          f"PyPI's torch {c.torch_public} is the CUDA {t.get('pypi_cuda')} build; CUDA {c.cuda} needs "
          f"torch = '{c.torch_public}+{c.variant}' from torch_index = 'pytorch'"),
     ]
-    rules += [
-        (c.cuda != "none", f"cpu_only cells must have cuda = 'none', not {c.cuda!r}"),
+    rules += [(c.cuda != "none", f"cpu_only cells must have cuda = 'none', not {c.cuda!r}"),
         (local != "cpu", f"a cpu_only cell must use the CPU build of torch ({c.torch_public}+cpu)"),
         ("cpu" not in t["cuda"], f"torch {c.torch_public} has no CPU build"),
         (c.gpu_archs, "cpu_only cells build for no GPU architecture (gpu_archs must be empty)"),
         (c.flash_attn.source != "none", "flash-attn needs CUDA; a cpu_only cell must have flash_attn.source = 'none'"),
-    ] if c.cpu_only else [
-        (c.cuda == "none", "a GPU cell needs a CUDA version (or set cpu_only = true)"),
+    ] if c.cpu_only else [(c.cuda == "none", "a GPU cell needs a CUDA version (or set cpu_only = true)"),
         (c.cuda != "none" and c.cuda not in t["cuda"],
          f"torch {c.torch_public} is not built for CUDA {c.cuda} (only {t.get('cuda')})"),
         (local and local != c.variant, f"torch local label +{local} does not match CUDA {c.cuda} ({c.variant})"),
         (supported is None, f"CUDA {c.cuda} is not in [upstream.cuda]"),
         (supported is not None and bad_archs, f"CUDA {c.cuda} cannot build for sm {bad_archs} (supports {supported})"),
-        (not c.gpu_archs, "a GPU cell must list gpu_archs"),
-        (c.cuda_major not in upstream.get("driver", {}),
+        (not c.gpu_archs, "a GPU cell must list gpu_archs"), (c.cuda_major not in upstream.get("driver", {}),
          f"CUDA major {c.cuda_major} has no driver floor in [upstream.driver]"),
     ]
-    rules += [
-        (local and not SHA256.fullmatch(c.torch_sha256),
+    rules += [(local and not SHA256.fullmatch(c.torch_sha256),
          f"torch {c.torch} is not on PyPI: record its wheel's sha256 as torch_sha256"),
         (c.torch_sha256 and not SHA256.fullmatch(c.torch_sha256), "torch_sha256 must be 64 lowercase hex digits"),
         # The run stage receives the build stage's venv, whose interpreter must be at the same path.
@@ -352,8 +347,7 @@ def _flash_problems(c: Cell, upstream: dict[str, Any], t: dict[str, Any]) -> lis
         return [f"flash_attn.version is required when flash_attn.source = {fa.source!r}"]
     rel = upstream.get("flash_attn", {}).get(fa.version, {})
     low = [a for a in c.gpu_archs if rel.get("min_sm") and Version(a) < Version(rel["min_sm"])]
-    rules = [
-        (cxx_std(rel) < cxx_std(t), f"flash-attn {fa.version} compiles with -std=c++{cxx_std(rel)}, torch "
+    rules = [(cxx_std(rel) < cxx_std(t), f"flash-attn {fa.version} compiles with -std=c++{cxx_std(rel)}, torch "
          f"{c.torch_public}'s headers need C++{cxx_std(t)}: it cannot be built or loaded against this torch"),
         (low, f"FlashAttention-2 needs sm >= {rel.get('min_sm')}; drop {low} from gpu_archs"),
     ]

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matrix", type=Path, default=DEFAULT_PATH, help="matrix file (default: %(default)s)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("validate", help="exit 1 listing every impossible cell")
-    sub.add_parser("list", help="one line per cell")
+    sub.add_parser("list", help="one line per cell, with the package index its torch comes from")
     sh = sub.add_parser("show", help="one cell")
     sh.add_argument("cell")
     sh.add_argument("--json", action="store_true")
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                 fa_s = "no flash-attn" if fa.source == "none" else f"flash-attn {fa.version} ({fa.source})"
                 cuda = "CPU" if c.cpu_only else f"CUDA {c.cuda}"
                 qs = "".join(f"  Quick start for {py}" for py, cell in m.quickstart.items() if cell == c.id)
-                print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s}{qs}")
+                print(f"{c.id:24} Python {c.python}  {cuda:9}  torch {c.torch:11} triton {c.triton:6} {fa_s:30} "
+                      f"index {m.index_url(c) or 'PyPI'}{qs}")
         elif args.cmd == "table":
             print(("\n".join(f"updated {p}" for p in write_tables(m)) or "the tables are up to date")
                   if args.write else table(m))

@@ -34,12 +34,8 @@ def _flash_wheels(up: dict[str, Any], version: str) -> list[dict[str, Any]]:
 def build(matrix: Matrix) -> dict[str, Any]:
     """The package data for this matrix (a pure function of it: the sync test compares the two)."""
     up, releases = matrix.upstream, matrix.upstream.get("flash_attn", {})
-    return {
-        "schema": 1,
-        "generated_from": "requirements/matrix.toml (python -m ci.matrix.facts --write)",
-        "torch": up.get("torch", {}),
-        "cuda_archs": up.get("cuda", {}),
-        "driver": up.get("driver", {}),
+    return {"schema": 1, "generated_from": "requirements/matrix.toml (python -m ci.matrix.facts --write)",
+        "torch": up.get("torch", {}), "cuda_archs": up.get("cuda", {}), "driver": up.get("driver", {}),
         "triton": up.get("triton", {}),
         "flash_attn": {v: {**{k: x for k, x in rel.items() if k not in ("url", "include")},
                            "wheels": _flash_wheels(up, v)}

@@ -1,8 +1,6 @@
-"""The GPU sessions' logic: gpu_parity, backward, bench, oneshot (docs/gpu-suites.md lists their options).
-
-The nox sessions wrap `main()`; without nox: `python -m ci.sessions.gpu gpu_parity backward bench [-- ARGS]`.
-Every step's output lands in artifacts/<commit>/<cell>/<gpu-slug>/ (ci/evidence/artifacts.py); the sessions of
-one invocation are one run (NSA_RUN_ID, set once when unset)."""
+"""The GPU sessions' logic: gpu_parity, backward, bench, oneshot (options: docs/gpu-suites.md); nox wraps `main()`,
+without nox: `python -m ci.sessions.gpu gpu_parity backward bench [-- ARGS]`. Output: artifacts/<commit>/<cell>/
+<gpu-slug>/ (ci/evidence/artifacts.py); the sessions of one invocation are one run (NSA_RUN_ID, set once)."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ SESSIONS = ("gpu_parity", "backward", "bench", "oneshot")
 # Test files per suite. `expected`: a suite FAILS when one is missing (the acceptance names them);
 # every other tests/gpu/test_*.py goes to gpu_parity unless it matches a backward pattern.
 BACKWARD_PATTERNS = ("test_backward", "test_gradcheck", "test_train")
-EXPECTED = {
-    "gpu_parity": ["tests/gpu/test_fa2_parity.py", "tests/gpu/test_decode_gpu.py"],
+EXPECTED = {"gpu_parity": ["tests/gpu/test_fa2_parity.py", "tests/gpu/test_decode_gpu.py"],
     "backward": ["tests/gpu/test_backward_varlen.py", "tests/gpu/test_gradcheck_gpu.py"],
 }
 # Seconds per suite (a deadline for all of its commands) and per test; --full sweeps take longer.
@@ -369,14 +366,18 @@ def bench_gate(ctx: Ctx) -> bool:
 
 
 def run_oneshot(ctx: Ctx) -> bool:
-    """The seeds' runbook in order: environment, routing, sanity, tests, benches, report. Every step runs;
-    the result fails when any step failed (the seeds' runner ignored failures)."""
+    """The seeds' runbook in order: environment, routing, sanity, tests, benches, template, report; a failure fails."""
     env_ok = not (ctx.run.state.get("env") or {}).get("env_error")
     ctx.run.record_step("environment", A.PASS if env_ok else A.FAIL, 0.0, "env.json",
                         "env.json, lock-check.json, nvidia-smi.txt")
     ok = all([run_suite(ctx, name) for name in A.PLANNED_SUITES]) and env_ok  # a list: every suite runs
+    res = ctx.sh([ctx.python, "bench/runbook_report.py", str(ctx.run.path)], "template.log")  # the plan's template
+    out = ctx.run.path / "template.json"
+    ctx.run.state["template"] = json.loads(out.read_text())["lines"] if out.exists() else [f"exit {res.returncode}"]
+    ctx.run.record_step("template", A.PASS if res.returncode == 0 else A.FAIL, res.seconds, ctx.run.rel(res.log),
+                        "the test plan's template lines: Triton selection bench, decode summary, ranges sample")
     ctx.run.record_step("report", A.PASS, 0.0, "summary.md", "summary.md, known_good.json")
-    return ok
+    return ok and res.returncode == 0
 
 
 RUNNERS = {"gpu_parity": run_gpu_parity, "backward": run_backward, "bench": run_bench}

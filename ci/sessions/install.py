@@ -1,15 +1,17 @@
 """Which configuration cell a nox session installs, and installing it from its lock with its package index.
 
-The cell is NSA_CELL, else the Quick-start cell of the session's Python ([defaults.quickstart]). A Python
-without one, or a cell locked for another Python, stops the session naming the cell or Python to use. The
-GPU sessions also install the cell's flash-attn pin (locks/<cell>.flash-attn.txt: a wheel, or the source
-package compiled with nvcc here; NSA_FLASH_ATTN=0 leaves it out, and says so). `pip check` ends each install.
-"""
+The cell is NSA_CELL, else the Quick-start cell of the session's Python ([defaults.quickstart]); another Python,
+or a cell locked for another one, stops the session naming what to use, and so does an unreachable index. GPU
+sessions also install the flash-attn pin (locks/<cell>.flash-attn.txt: a wheel, or the source compiled with nvcc
+here; NSA_FLASH_ATTN=0 leaves it out, and says so). `pip check` ends each install."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import urllib.request
+from urllib.parse import urlsplit
 
 from packaging.version import Version
 
@@ -48,6 +50,16 @@ def pip_args(matrix: Matrix, cell: Cell) -> list[str]:
     return ["--require-hashes", "--no-deps", *matrix.pip_index_args(cell), "-r", str(lock_path(matrix, cell.id))]
 
 
+def unreachable(url: str, timeout: float = 5.0) -> str | None:
+    """Why no TCP connection to `url`'s host (or proxy) opens within `timeout` s; pip would retry for minutes."""
+    u = urlsplit(url)
+    t = u if urllib.request.proxy_bypass(u.hostname or "") else urlsplit(urllib.request.getproxies().get(u.scheme, url))
+    try:
+        socket.create_connection((t.hostname, t.port or (443 if t.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"{t.hostname}:{t.port or t.scheme}: {e.strerror or e}"
+
+
 def install_cell(session, flash_attn: bool = False) -> Cell | None:
     """Install the session's cell exactly (hashes, no resolver), with `flash_attn` its flash-attn pin, then this
     project without dependencies; exports NSA_CELL. With --no-venv nothing is installed (a prepared interpreter)."""
@@ -66,6 +78,11 @@ def install_cell(session, flash_attn: bool = False) -> Cell | None:
     if not lock_path(matrix, cell.id).exists():
         session.error(f"no lock for cell {cell.id}: run `nox -s lock -- {cell.id}`")
     session.log(f"cell {cell.id} (Python {cell.python}, torch {cell.torch})")
+    if (url := matrix.index_url(cell)) and (why := unreachable(url)):
+        free = ", ".join(c for c in matrix.quickstart.values() if not matrix.index_url(matrix.get(c)))
+        session.error(f"cell {cell.id} installs torch from {url}, which cannot be reached ({why}). Behind a mirror of "
+                      "PyTorch's index set NSA_PYTORCH_INDEX to its base URL, or use a cell that needs no extra index: "
+                      f"{free} (`python -m ci.matrix list` shows each cell's index).")
     session.install(*pip_args(matrix, cell))
     if flash_attn:
         install_flash_attn(session, matrix, cell)

@@ -34,8 +34,7 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 # "cancelled" rewrites `needs.gpu.result` in every `if:` to 'cancelled' while the legs pass.
 MAIN, BRANCH = {"ref": "refs/heads/main"}, {"ref": "refs/heads/feature"}
 PR_INPUTS = {"inputs": {"pr": "7", "sha": SHA, "cells": "", "gpus": ""}}
-SCENARIOS = [
-    ("push to main, green", "push", MAIN, "success", {"plan", "gpu", "known-good"}),
+SCENARIOS = [("push to main, green", "push", MAIN, "success", {"plan", "gpu", "known-good"}),
     ("nightly, green", "schedule", MAIN, "success", {"plan", "gpu", "known-good"}),
     ("push to main, a leg failed", "push", MAIN, "failure", {"plan", "gpu"}),
     ("push to main, a leg cancelled", "push", MAIN, "cancelled", {"plan", "gpu"}),

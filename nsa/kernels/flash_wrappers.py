@@ -1,8 +1,16 @@
 """Probes for the FlashAttention-2 implementations NSA can call, and why one cannot run here.
 
-    is_flash_available()               flash-attn's dense kernel (flash_attn_func) can run here
-    is_flash_varlen_available()        flash-attn's varlen kernel (flash_attn_varlen_func) can run here
+    is_flash_available()               a FlashAttention-2 dense kernel can serve here: flash-attn's
+                                       flash_attn_func, else PyTorch's built-in FA-2 (the torch_flash backend)
+    is_flash_varlen_available()        the same for the varlen (packed) kernels
+    flash_provider(varlen=False)       which one serves: "flash_attn", "torch_flash" or None
+    flash_status(varlen=False)         (ok, reason): the kernel that serves, or why neither can
     is_torch_flash_varlen_available()  PyTorch's built-in FA-2 varlen (torch.nn.attention.varlen.varlen_attn)
+
+is_flash_available()/is_flash_varlen_available() answer "can an FA-2 kernel run the compressed and sliding
+branches here", whichever package provides it (flash-attn is preferred when both can): torch's built-in
+kernel serves both branches on a GPU host without flash-attn. flash_attn_status() asks about the flash-attn
+package alone. The probes do not read the NSA_USE_FA2* toggles: they say what could run, not what will.
 
 "Can run here" means: the package imports, exposes the entry point, torch sees a CUDA GPU, and the GPU
 is sm >= 8.0 (FlashAttention-2 has no kernels for older GPUs). Each probe has a *_status() twin that
@@ -98,12 +106,42 @@ def torch_flash_status() -> tuple[bool, str]:
     return _torch_flash_kernels_status(torch, "aten._flash_attention_forward")
 
 
+FLASH_PROVIDERS = ("flash_attn", "torch_flash")
+
+
+def _flash_choice(varlen: bool) -> tuple[str | None, str]:
+    """(provider, reason): flash-attn first, then torch's built-in kernel.
+
+    torch's aten._flash_attention_forward takes dense and varlen input alike, so it answers both questions.
+    """
+    fa_ok, fa_why = flash_attn_status(varlen=varlen)
+    if fa_ok:
+        return "flash_attn", fa_why
+    tf_ok, tf_why = torch_flash_status()
+    if tf_ok:
+        return "torch_flash", tf_why
+    return None, f"flash_attn: {fa_why}; torch_flash: {tf_why}"
+
+
+def flash_status(varlen: bool = False) -> tuple[bool, str]:
+    """An FA-2 kernel (flash-attn's or torch's built-in) can serve here: (ok, the kernel or why neither)."""
+    provider, why = _flash_choice(varlen)
+    return provider is not None, why
+
+
+def flash_provider(varlen: bool = False) -> str | None:
+    """Which FA-2 implementation serves here: "flash_attn", "torch_flash" or None."""
+    return _flash_choice(varlen)[0]
+
+
 def is_flash_available() -> bool:
-    return flash_attn_status(varlen=False)[0]
+    """A FlashAttention-2 dense kernel (flash-attn's or torch's built-in) can run here."""
+    return flash_status(varlen=False)[0]
 
 
 def is_flash_varlen_available() -> bool:
-    return flash_attn_status(varlen=True)[0]
+    """A FlashAttention-2 varlen kernel (flash-attn's or torch's built-in) can run here."""
+    return flash_status(varlen=True)[0]
 
 
 def is_torch_flash_varlen_available() -> bool:

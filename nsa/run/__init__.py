@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import telemetry
 from ..config import NSAConfig
 from ..layout import SeqLayout
 from .chunked import run_chunked
@@ -28,8 +29,16 @@ def run(plan, q, k, v, gates, cfg: NSAConfig, layout: SeqLayout, *, kv_cmp=None,
     if T == 0:
         return q.new_zeros(B, 0, Hq, v.shape[3]), q.new_zeros(B, 0, k.shape[2], cfg.n_sel, dtype=torch.int32)
     runner = run_fused if plan.executor == "fused" else run_chunked
-    return runner(plan, q, k, v, gates, cfg, layout, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn,
-                  block_indices=block_indices, need_indices=need_indices, chunk=chunk)
+    if not telemetry.timing_on():
+        return runner(plan, q, k, v, gates, cfg, layout, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn,
+                      block_indices=block_indices, need_indices=need_indices, chunk=chunk)
+    # NSA_DEBUG_TIMING=1: one log line per call (path, shapes, dtypes, total and per-branch times)
+    before = telemetry.times_now()
+    with telemetry.stopwatch(q) as sw:
+        res = runner(plan, q, k, v, gates, cfg, layout, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn,
+                     block_indices=block_indices, need_indices=need_indices, chunk=chunk)
+    telemetry.log_call(plan.executor, plan.steps, {"q": q, "k": k, "v": v, "gates": gates}, sw.ms, before)
+    return res
 
 
 __all__ = ["run", "run_chunked", "run_fused"]

@@ -14,6 +14,7 @@ import os
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import telemetry
 from ..branches.attend import compute_dtype
 from ..branches.compressed.naive import compressed_chunk
 from ..branches.selected.naive import dedupe_indices, selected_chunk, topn_chunk
@@ -45,6 +46,9 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
     Hq, Hkv = q.shape[2], k.shape[2]
     G = Hq // Hkv
     ct = compute_dtype(q.dtype)
+    # NSA_DEBUG_TIMING=1: each torch branch's time into telemetry (otherwise the functions themselves)
+    cmp_fn, topn_fn, sel_fn, win_fn = (telemetry.timed(f"{name}.torch", fn) for name, fn in (
+        ("cmp", compressed_chunk), ("topn", topn_chunk), ("sel", selected_chunk), ("win", sliding_chunk)))
     t_glob = torch.arange(c0, c1, device=q.device)
     seq_start = layout.seq_start[:, c0:c1]
     pos = t_glob[None, :] - seq_start
@@ -53,7 +57,7 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
     n_vis = layout.cmp_visible_bound(c1, cfg)
     slots = (layout.cmp_start[:, :n_vis], layout.cmp_valid[:, :n_vis])
     if o_cmp_full is None:
-        o_cmp, lse = compressed_chunk(qc, k_cmp[:, :n_vis], v_cmp[:, :n_vis], *slots, t_glob, seq_start, cfg, scale)
+        o_cmp, lse = cmp_fn(qc, k_cmp[:, :n_vis], v_cmp[:, :n_vis], *slots, t_glob, seq_start, cfg, scale)
     else:
         o_cmp = o_cmp_full[:, c0:c1].to(ct).unflatten(2, (Hkv, G))
         lse = lse_cmp_full[:, c0:c1].unflatten(2, (Hkv, G))
@@ -61,14 +65,14 @@ def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scal
     if fixed is not None:
         indices = fixed[:, c0:c1]
     else:
-        indices = topn_chunk(qc, k_cmp[:, :n_vis], lse, slots[0], layout.cmp_local[:, :n_vis], slots[1], t_glob,
+        indices = topn_fn(qc, k_cmp[:, :n_vis], lse, slots[0], layout.cmp_local[:, :n_vis], slots[1], t_glob,
                              seq_start, layout.n_sel_blocks, cfg, scale)
-    o_sel = None if sel_deferred else selected_chunk(qc, k, v, indices, pos, seq_start, cfg, scale)
+    o_sel = None if sel_deferred else sel_fn(qc, k, v, indices, pos, seq_start, cfg, scale)
 
     if o_win_full is None:
         k0 = max(0, c0 - cfg.window + 1)
         key_pos = torch.arange(k0, c1, device=q.device)
-        o_win = sliding_chunk(qc, k_win[:, k0:c1].to(ct), v_win[:, k0:c1].to(ct), key_pos, t_glob, seq_start, cfg,
+        o_win = win_fn(qc, k_win[:, k0:c1].to(ct), v_win[:, k0:c1].to(ct), key_pos, t_glob, seq_start, cfg,
                               scale)
     else:
         o_win = o_win_full[:, c0:c1].to(ct).unflatten(2, (Hkv, G))

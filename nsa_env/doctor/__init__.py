@@ -17,6 +17,7 @@ from typing import Any
 from nsa_env import upstream
 from nsa_env.doctor import install, runtime
 from nsa_env.doctor.core import DEFAULT_HEAD_DIMS, Context, Finding, NotApplicable, Outcome
+from nsa_env.doctor.index import check_index_unreachable
 
 __all__ = ["CHECKS", "Context", "Finding", "NotApplicable", "Outcome", "diagnose", "main", "run_checks"]
 
@@ -36,7 +37,10 @@ CHECKS: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("no_kernel_image", runtime.check_no_kernel_image),
     ("glibc_too_old", install.check_glibc),
     ("triton_toolchain", runtime.check_triton_toolchain),
+    ("index_unreachable", check_index_unreachable),
 )
+# Checks that read the log alone: they run when torch does not import (a failed install is their case).
+LOG_ONLY = ("index_unreachable",)
 
 
 def run_checks(report: dict[str, Any], head_dims: tuple[int, ...] = DEFAULT_HEAD_DIMS, log: str = "",
@@ -44,7 +48,8 @@ def run_checks(report: dict[str, Any], head_dims: tuple[int, ...] = DEFAULT_HEAD
     ctx = Context(report, tuple(head_dims), log or "", upstream.load() if facts is None else facts)
     outcomes = []
     for name, check in CHECKS:
-        if outcomes and outcomes[0].findings:  # torch does not import: nothing else can be judged
+        # torch does not import: nothing else can be judged, but what the log alone says
+        if outcomes and outcomes[0].findings and name not in LOG_ONLY:
             outcomes.append(Outcome(name, "not applicable", "torch does not import (torch_missing)"))
             continue
         try:

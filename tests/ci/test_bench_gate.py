@@ -138,3 +138,16 @@ def test_speedup_figure_drop_fails_the_gate():
     assert ok["status"] == G.PASS and bad["status"] == G.FAIL
     line = G.describe(bad)[0]
     assert "2.5000 x vs baseline 3.0000" in line and "higher is better" in line and "FAIL" in line
+
+
+@pytest.mark.parametrize(("figure", "good", "bad"), [
+    ("seed_block_fwd_s128_ms", 12.0, 1500.0), ("seed_prefill_decode_tok_per_s_2k", 900.0, 120.0),
+    ("seed_fa2_over_sdpa_cmp", 5.0, 1.1), ("seed_fa2_over_sdpa_win", 1.3, 0.9)])
+def test_seed_acceptance_figures_have_fixed_limits_on_every_gpu_class(figure, good, bad):
+    """The seeds' absolute criteria (< 1 s block forward at S=128, > 300 tok/s at S ~ 2048, FA-2 > 1.2x SDPA on
+    cmp and win) gate any GPU class, even one with no stored baselines."""
+    base = G.load_baselines()
+    for cls in ("h100-80gb-hbm3", "some-new-gpu"):
+        ok = G.check({"figures": {figure: {"value": good}}}, base, cls)
+        assert ok["status"] == G.PASS and "allowance 0%" in ok["lines"][0], ok["lines"]
+        assert G.check({"figures": {figure: {"value": bad}}}, base, cls)["status"] == G.FAIL

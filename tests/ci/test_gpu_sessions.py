@@ -135,7 +135,12 @@ def test_oneshot_runs_every_suite_as_one_run(host, tmp_path, monkeypatch):
     outs, kg, state = invoke(host, tmp_path, sessions=("oneshot",))
     assert outs[0].status == "fail" and set(state["suites"]) == set(A.PLANNED_SUITES)  # bench ran after the failure
     assert kg["status"] == "failing" and "backward (FAIL)" in kg["reason"]
-    assert [s["name"] for s in state["steps"]] == ["environment", "report"]
+    assert [s["name"] for s in state["steps"]] == ["environment", "template", "report"]
+    # the test plan's reporting template, line by line (bench/runbook_report.py; no GPU here: its benches fail)
+    summary = next((tmp_path / "art").rglob("summary.md")).read_text()
+    block = summary.split("## Report template\n\n```\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[0] == "Tests:" and block[1].startswith("- Triton FWD parity: ")
+    assert block[-1].startswith("- Training showcase: not available")
 
 
 def test_a_crashed_suite_stays_running_and_fails_the_run(host, tmp_path, monkeypatch):

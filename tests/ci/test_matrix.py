@@ -339,10 +339,12 @@ def test_cli(capsys):
     assert mx_main(["show", "nope"]) == 2
     assert "unknown cell 'nope'" in capsys.readouterr().err
     assert mx_main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines, m = capsys.readouterr().out.splitlines(), mx.load()
     assert [ln.split()[0] for ln in lines] == [c.id for c in mx.load().cells]
     assert lines[0].split() == ["cpu-torch2.13-py311", "Python", "3.11", "CPU", "torch", "2.13.0+cpu", "triton",
-                                "3.7.1", "no", "flash-attn", "Quick", "start", "for", "3.11"]
+                                "3.7.1", "no", "flash-attn", "index", m.index_url(m.get("cpu-torch2.13-py311")),
+                                "Quick",
+                                "start", "for", "3.11"]
     assert sum("Quick start for" in ln for ln in lines) == len(mx.load().quickstart)
     assert mx_main(["--matrix", "nope.toml", "validate"]) == 1
     assert "nope.toml: 1 problem(s):\n  - file not found" in capsys.readouterr().err

@@ -240,3 +240,32 @@ def test_tune_decode_variants_parse():
     assert parsed["win_in_cmp"].window_with_sel is False
     with pytest.raises(SystemExit, match="unknown Tuning field 'nope'.*window_with_sel"):
         tune.parse_variant("x:nope=1", 132)
+
+
+def test_bench_decode_config_and_steps(tmp_path):
+    """The seeds' `--config configs/base.yaml --steps N`: shapes, S and B from the file (flags override), then
+    a prefill + N decode steps through the layer (run_* columns)."""
+    pytest.importorskip("yaml")
+    dec = _load("bench_decode")
+    args = dec.parse_args(["--config", str(ROOT / "configs" / "base.yaml")])
+    assert (args.dim, args.heads, args.groups, args.dk, args.dv) == (256, 8, 2, 32, 32)
+    assert (args.l, args.d, args.l_sel, args.n_sel, args.w, args.S, args.B, args.steps) == (
+        32, 16, 64, 16, 512, [2048], 1, 200)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model: {dim: 32, n_heads: 4, n_kv_groups: 2, d_k: 8, d_v: 8}\n"
+                   "nsa: {block_cmp: 8, stride_cmp: 4, block_sel: 8, n_sel: 3, window: 16}\n"
+                   "bench: {seq_len: 30, batch_size: 2, steps: 50}\n")
+    out = tmp_path / "decode.csv"
+    argv = ["--config", str(cfg), "--steps", "5", "--iters", "1", "--warmup", "0", "--csv", str(out), "--device",
+            "cpu", "--no-check"]
+    assert dec.main(argv) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert (int(row["S"]), int(row["B"]), int(row["heads"]), int(row["run_steps"])) == (30, 2, 4, 5)
+    assert row["run_finite"] == "True" and float(row["run_tok_per_s"]) > 0 and float(row["decode_tok_per_s"]) > 0
+    assert dec.parse_args(["--config", str(cfg), "--B", "3"]).B == 3  # a flag overrides the file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {dim: -4}\n")
+    with pytest.raises(SystemExit, match="model.dim must be a positive integer"):
+        dec.parse_args(["--config", str(bad)])
+    with pytest.raises(SystemExit, match="No such file"):
+        dec.parse_args(["--config", str(tmp_path / "missing.yaml")])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from nsa import NSAInputError, toggles
 
@@ -68,3 +70,53 @@ def test_every_toggle_is_in_the_docs_table():
     assert "NSA_USE_CUDNN" in names and len(names) >= 15
     assert {n for n in names if f"| `{n}` |" not in doc} == set()
 
+
+
+@pytest.mark.parametrize("name", sorted(toggles.RETIRED))
+def test_retired_toggles_warn_once_naming_the_replacement(clean_env, name):
+    """A toggle of the earlier code base is refused loudly (once per process), never silently ignored."""
+    toggles.reset_retired_warnings()
+    clean_env.setenv(name, "1")
+    with pytest.warns(toggles.RetiredToggleWarning, match=f"{name} is set but has no effect") as rec:
+        toggles.read()
+    assert toggles.RETIRED[name].split(":")[0] in str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        toggles.read()  # the second read is quiet
+    toggles.reset_retired_warnings()
+
+
+def test_retired_toggles_warn_on_the_torch_backend_too(clean_env, gen):
+    """The torch backend reads no routing toggles; the warning still comes from the attention call."""
+    from nsa import nsa_attention
+
+    from .helpers import SMALL, make_inputs
+
+    toggles.reset_retired_warnings()
+    clean_env.setenv("NSA_SDPA_AUDIT", "1")
+    with pytest.warns(toggles.RetiredToggleWarning, match="NSA_SDPA_AUDIT"):
+        nsa_attention(*make_inputs(gen, 1, 9, 2, 1, 8, 4), SMALL["l8d4s8n4"], backend="torch")
+    toggles.reset_retired_warnings()
+
+
+def test_debug_timing_logs_path_shapes_dtypes_and_branch_times_on_cpu(clean_env, gen, caplog):
+    from nsa import nsa_attention, telemetry
+
+    from .helpers import SMALL, make_inputs
+
+    clean_env.setenv("NSA_DEBUG_TIMING", "1")
+    telemetry.reset()
+    with caplog.at_level("WARNING", logger="nsa"):
+        nsa_attention(*make_inputs(gen, 1, 20, 2, 1, 8, 4, dtype=torch.float32), SMALL["l8d4s8n4"],
+                      backend="torch")
+    lines = [r.getMessage() for r in caplog.records if "nsa.timing" in r.getMessage()]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "executor=chunked" in line and "cmp:torch/forced" in line and "device=cpu" in line
+    assert "q=(1, 20, 2, 8):float32" in line and "v=(1, 20, 1, 4):float32" in line
+    for bucket in ("cmp.torch", "sel.torch", "win.torch", "topn.torch"):
+        assert f"'{bucket}'" in line and telemetry.snapshot()["timings"][bucket]["calls"] >= 1
+    clean_env.delenv("NSA_DEBUG_TIMING")
+    caplog.clear()
+    nsa_attention(*make_inputs(gen, 1, 20, 2, 1, 8, 4), SMALL["l8d4s8n4"], backend="torch")
+    assert not [r for r in caplog.records if "nsa.timing" in r.getMessage()]

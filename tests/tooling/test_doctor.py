@@ -412,3 +412,33 @@ def test_cli_lists_passed_and_not_applicable_checks(monkeypatch, capsys):
     assert re.search(r"^passed: torch_missing, torch_triton_mismatch", out, re.M)
     assert re.search(r"^  build_oom_risk +no toolchain facts in this report", out, re.M)
     assert "doctor: nothing wrong found" in out
+
+
+PIP_INDEX_RETRY_LOG = """\
+Looking in indexes: https://pypi.org/simple, http://127.0.0.1:9/whl/cpu
+WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection broken by \
+'NewConnectionError('<pip._vendor.urllib3.connection.HTTPConnection object at 0x7f>: Failed to establish a new \
+connection: [Errno 111] Connection refused')': /whl/cpu/torch/
+ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu (from versions: none)
+ERROR: No matching distribution found for torch==2.13.0+cpu
+"""
+NOX_INDEX_LOG = ("nox > Session cpu_smoke aborted: cell cpu-torch2.13-py311 installs torch from "
+                 "http://127.0.0.1:9/whl/cpu, which cannot be reached (127.0.0.1:9: Connection refused). Behind a "
+                 "mirror of PyTorch's index set NSA_PYTORCH_INDEX to its base URL, ...")
+
+
+@pytest.mark.parametrize("log", [PIP_INDEX_RETRY_LOG, NOX_INDEX_LOG])
+def test_index_unreachable_from_the_log_even_without_torch(log):
+    """The failed install left no torch: the log-only check still explains it (and names NSA_PYTORCH_INDEX)."""
+    report = copy.deepcopy(cpu_report())
+    report["torch"] = {"installed": False, "error": "No module named 'torch'"}
+    f = found(report, log)
+    assert "torch_missing" in f
+    g = f["index_unreachable"]
+    assert g.severity == "error" and "/whl/cpu" in g.problem and "Connection refused" in g.problem
+    assert "NSA_PYTORCH_INDEX" in g.fix and "ci.matrix list" in g.fix
+
+
+def test_index_unreachable_is_quiet_without_such_a_log():
+    assert "index_unreachable" not in found(cpu_report(), PIP_ISOLATION_LOG)
+    assert "index_unreachable" not in found(cpu_report(), "")

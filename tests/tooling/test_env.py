@@ -307,3 +307,25 @@ def test_a_lock_line_that_does_not_parse_is_an_error_naming_the_line(tmp_path, c
     monkeypatch.setattr(drift, "installed_distributions", lambda: dict(GOOD))
     assert cli.main(["--check-lock", str(lock)]) == 2
     assert "line 10: unparseable lock line: 'torch>=2.4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("fa", "tf", "provider"),
+    [((True, "flash_attn 2.8"), (True, "torch 2.11"), "flash_attn"),
+     ((False, "flash_attn is not installed"), (True, "torch 2.11 aten._flash_attention_forward"), "torch_flash"),
+     ((False, "flash_attn is not installed"), (False, "torch sees no CUDA GPU"), None)],
+)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_probes_count_torch_builtin_fa2(monkeypatch, fa, tf, provider, varlen):
+    """The runbook's probes answer "can an FA-2 kernel serve here", flash-attn's or torch's built-in."""
+    monkeypatch.setattr(fw, "flash_attn_status", lambda varlen=False: fa)
+    monkeypatch.setattr(fw, "torch_flash_status", lambda: tf)
+    probe = fw.is_flash_varlen_available if varlen else fw.is_flash_available
+    assert probe() is (provider is not None)
+    assert fw.flash_provider(varlen=varlen) == provider
+    ok, why = fw.flash_status(varlen=varlen)
+    assert ok is (provider is not None)
+    if provider is None:
+        assert "flash_attn is not installed" in why and "no CUDA GPU" in why
+    else:
+        assert why == (fa if provider == "flash_attn" else tf)[1]

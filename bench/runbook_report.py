@@ -14,7 +14,7 @@ CSV summary (decode-summary.md, Markdown) and a selected-block ranges sample, an
     - Grad/Train smokes: PASS/FAIL (<runtime>)     the backward suite (gradient parity, gradcheck, training)
     Benches:
     - Decode bench / Triton selection bench / FA-2 bench: summary numbers
-    - Ranges sample, Training showcase (not available: there is no training script)
+    - Ranges sample, Training showcase (bench/train_showcase.py, short: NSA and dense tok/s at S=2048)
 
 A file whose tests all skipped reads SKIPPED with the first reason. Exit 1 when a step it runs fails.
 """
@@ -35,8 +35,10 @@ TEST_LINES = (
     ("Triton BWD parity", ("test_triton_sel_backward_gpu", "test_triton_sel_bwd_gpu")),
     ("FA-2 varlen", ("test_fa2_gpu_varlen",)),
 )
-SHOWCASE = ("- Training showcase: not available (there is no training script; the training smoke is in "
-            "Grad/Train smokes)")
+# A short run of the training showcase: enough steps for a tok/s figure, not a loss curve (that is the full
+# `python bench/train_showcase.py`). On CPU the tiny model at S=128.
+SHOWCASE_ARGS = {"cuda": ["--steps", "20", "--seq-lens", "2048", "--warmup", "5"],
+                 "cpu": ["--tiny", "--steps", "3", "--seq-lens", "128", "--warmup", "1"]}
 
 
 def junit_cases(run_dir: Path) -> list[dict]:
@@ -151,8 +153,27 @@ def report(run_dir: Path, bench: bool = True, device: str = "cuda") -> tuple[lis
     except Exception as e:  # noqa: BLE001 - reported in the template line and the exit status, not hidden
         ok = False
         lines.append(f"- Ranges sample: FAIL ({type(e).__name__}: {e})")
-    lines.append(SHOWCASE)
+    if bench:
+        out_dir = run_dir / "train-showcase"
+        cmd = [sys.executable, "bench/train_showcase.py", "--out", str(out_dir), "--device", device,
+               "--log-every", "10", *SHOWCASE_ARGS.get(device, SHOWCASE_ARGS["cuda"])]
+        rc, _ = run(cmd, logs / "train-showcase.log")
+        ok &= rc == 0
+        lines.append(f"- Training showcase: {showcase_summary(out_dir) if rc == 0 else f'FAIL (exit {rc})'}")
+    else:
+        lines.append("- Training showcase: NOT RUN (--no-bench)")
     return lines, ok
+
+
+def showcase_summary(out_dir: Path) -> str:
+    """NSA and dense tok/s per length from train_showcase.json, and the corpus that served."""
+    rep = json.loads((out_dir / "train_showcase.json").read_text())
+    runs = {(r["attention"], r["seq_len"]): r for r in rep["runs"]}
+    parts = []
+    for (att, seq), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "nsa")):
+        parts.append(f"{att} S={seq}: {r['tok_s']:.0f} tok/s, loss {r['loss_first']:.2f} -> {r['loss_last']:.2f}")
+    ratios = ", ".join(f"S={k}: x{v:.2f}" for k, v in rep.get("nsa_over_dense_tok_s", {}).items())
+    return "; ".join(parts) + (f"; NSA over dense {ratios}" if ratios else "") + f" ({rep['corpus']['corpus']})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,7 +140,7 @@ def test_oneshot_runs_every_suite_as_one_run(host, tmp_path, monkeypatch):
     summary = next((tmp_path / "art").rglob("summary.md")).read_text()
     block = summary.split("## Report template\n\n```\n", 1)[1].split("```", 1)[0].splitlines()
     assert block[0] == "Tests:" and block[1].startswith("- Triton FWD parity: ")
-    assert block[-1].startswith("- Training showcase: not available")
+    assert block[-1].startswith("- Training showcase: FAIL (exit ")  # no GPU here
 
 
 def test_a_crashed_suite_stays_running_and_fails_the_run(host, tmp_path, monkeypatch):

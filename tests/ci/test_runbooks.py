@@ -58,7 +58,7 @@ def _case(cls, name, t, kind=None, msg=""):
 
 def test_runbook_report_writes_the_template_lines_one_by_one(tmp_path):
     """bench/runbook_report.py: each line of the test plan's reporting template on its own line, from the
-    run's junit files and bench outputs; a showcase line marked not available."""
+    run's junit files and bench outputs."""
     import importlib.util
     import json
 
@@ -95,5 +95,21 @@ def test_runbook_report_writes_the_template_lines_one_by_one(tmp_path):
     assert lines[9] == ("- FA-2 bench: torch_flash cmp: x7.50 over SDPA at T=4096, D=128 (0.6 ms vs 4.5 ms); "
                         "torch_flash win: x4.40 over SDPA at T=4096, D=128 (0.5 ms vs 2.2 ms)")
     assert lines[10].startswith("- Ranges sample: t=1023, l'=64: KV head 0: blocks [0, ")
-    assert lines[11].startswith("- Training showcase: not available")
+    assert lines[11] == "- Training showcase: NOT RUN (--no-bench)"
     assert (tmp_path / "decode-summary.md").read_text().count("|") > 10
+
+
+def test_runbook_report_showcase_line_from_the_showcase_json(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("runbook_report", ROOT / "bench" / "runbook_report.py")
+    rr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rr)
+    run = {"loss_first": 5.5, "loss_last": 2.25}
+    (tmp_path / "train_showcase.json").write_text(json.dumps({
+        "corpus": {"corpus": "pydoc"}, "nsa_over_dense_tok_s": {"2048": 0.5},
+        "runs": [dict(run, attention="dense", seq_len=2048, tok_s=2000.0),
+                 dict(run, attention="nsa", seq_len=2048, tok_s=1000.0)]}))
+    assert rr.showcase_summary(tmp_path) == ("nsa S=2048: 1000 tok/s, loss 5.50 -> 2.25; dense S=2048: 2000 tok/s, "
+                                             "loss 5.50 -> 2.25; NSA over dense S=2048: x0.50 (pydoc)")

@@ -42,8 +42,9 @@ EVENTS = {"cmp_block_completes", "window_wraps", "sel_block_starts"}
 def _interp(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("NSA_USE_TRITON_DECODE", raising=False)
-    # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes
-    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1))
+    # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes; the
+    # combine loads 2 partials at a time, so merging 3 or more folds loaded chunks into a running softmax
+    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1, part_chunk=2))
     telemetry.reset()
     saved = (decode_mod.HOOKS.capability, decode_mod.HOOKS.allow_cpu)
     yield
@@ -71,6 +72,7 @@ def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel,
     cache, _ = _check_case(case, max_len=200 if uneven else None)
     ws = kd.workspace_for(cache, 4)
     assert ws.n_split_cmp >= 2 and ws.n_split_win >= 3 and ws.n_chunks >= 3 and ws.n_split_sel >= 2
+    assert ws.CHUNK_WIN == 2  # the window's 3+ partials merge in two loads: the running sum is rescaled
     assert ws.window_with_sel is window_with_sel
     if uneven:
         assert ws.blocks_per_split % ws.BLOCK_N != 0

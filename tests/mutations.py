@@ -76,6 +76,10 @@ MUTATIONS = [
              "nsa/layout.py",
              "n_slots = T // d", "n_slots = (T - 1) // d",
              ("tests/cpu/test_varlen.py::test_packed_layout_keeps_the_last_compressed_block",)),
+    Mutation("decode scoring: the current block never a free candidate (`j <= jt` -> `<`, n_local = 0)",
+             "nsa/kernels/triton/decode.py",
+             "free = (j <= jt) & (j < NJ)", "free = (j < jt) & (j < NJ)",
+             ("tests/cpu/test_decode_triton_interp.py::test_kernels_odd_group_and_head_dims",)),
 ]
 
 

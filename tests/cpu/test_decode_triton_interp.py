@@ -93,7 +93,8 @@ def test_kernels_fp16(gen):
 
 
 def test_kernels_odd_group_and_head_dims(gen):
-    cfg = CFG.with_(window=12, n_sel=3, n_local=1)
+    # no forced local block: the token's own block competes on its score like the others
+    cfg = CFG.with_(window=12, n_sel=3, n_local=0)
     case = make_case(gen, cfg, [9, 23], 4, 5, 1, 12, 20, dtype=torch.float32)
     _check_case(case)
 

@@ -1,10 +1,12 @@
 """Seeded bugs that the fast CPU suite must catch: apply each one to a copy of the tree, run the tests named
 for it, and check that they fail.
 
-    TRITON_INTERPRET=1 python tests/mutations.py            # every seeded change (a few minutes of CPU)
-    TRITON_INTERPRET=1 python tests/mutations.py 5 8        # only changes 5 and 8
-    python tests/mutations.py --list                         # the table: change -> test that catches it
-    python tests/mutations.py --clean 5                      # the named tests pass on the unchanged tree
+    python tests/mutations.py              # every seeded change (about a minute of CPU)
+    python tests/mutations.py 5 8          # only changes 5 and 8
+    python tests/mutations.py --list       # the table: change -> test that catches it
+    python tests/mutations.py --clean 5    # the named tests pass on the unchanged tree
+
+Run it with the test environment's Python (torch, triton, pytest); the tests run in Triton's interpreter.
 
 The repository itself is never edited: the tracked and untracked (not ignored) files are copied to a
 temporary directory, the change is made there by an exact text replacement (which must match once, so a

@@ -47,8 +47,9 @@ EVENTS = {"cmp_block_completes", "window_wraps", "sel_block_starts"}
 def _interp(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("NSA_USE_TRITON_DECODE", raising=False)
-    # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes
-    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1))
+    # tiles of 16 keys, scoring chunks of 4 blocks: several programs per branch even on tiny shapes; the
+    # combine loads 2 partials at a time, so merging 3 or more folds loaded chunks into a running softmax
+    monkeypatch.setattr(kd, "TUNING", kd.Tuning(target_programs=64, block_n=16, chunk_j=4, min_tiles=1, part_chunk=2))
     telemetry.reset()
     saved = (plan.TRITON["decode"].capability, plan.TRITON["decode"].allow_cpu)
     yield
@@ -76,6 +77,7 @@ def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel,
     cache, _ = _check_case(case, max_len=200 if uneven else None)
     ws = kd.workspace_for(cache, 4)
     assert ws.n_split_cmp >= 2 and ws.n_split_win >= 3 and ws.n_chunks >= 3 and ws.n_split_sel >= 2
+    assert ws.CHUNK_WIN == 2  # the window's 3+ partials merge in two loads: the running sum is rescaled
     assert ws.window_with_sel is window_with_sel
     if uneven:
         assert ws.blocks_per_split % ws.BLOCK_N != 0
@@ -96,7 +98,8 @@ def test_kernels_fp16(gen):
 
 
 def test_kernels_odd_group_and_head_dims(gen):
-    cfg = CFG.with_(window=12, n_sel=3, n_local=1)
+    # no forced local block: the token's own block competes on its score like the others
+    cfg = CFG.with_(window=12, n_sel=3, n_local=0)
     case = make_case(gen, cfg, [9, 23], 4, 5, 1, 12, 20, dtype=torch.float32)
     _check_case(case)
 

@@ -87,7 +87,7 @@ def test_fused_matches_torch_path(fused, gen, cfg, packed):
     if packed:
         q, k, v, g, cu = _packed(gen, [0, 1, 7, 8, 0, 33, 20], 4, 2, 16, 8, requires_grad=True)
     else:
-        (q, k, v, g), cu = make_inputs(gen, 2, 45, 4, 2, 16, 8, torch.float32, True), None
+        (q, k, v, g), cu = make_inputs(gen, 2, 29, 4, 2, 16, 8, torch.float32, True), None
     _auto_matches_torch_path(gen, q, k, v, g, cfg, cu)
     assert_fused()
 
@@ -167,7 +167,7 @@ def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
                                                                   "num_warps": 4})
     cfg = NSAConfig(block_cmp=16, stride_cmp=8, block_sel=32, n_sel=4, n_init=1, n_local=1, window=8)
     cu = torch.tensor([0, 7, 150, 151, 300], dtype=torch.int32) if packed else None
-    got, want = _topn_case(gen, cfg, 1, 300, 8, 2, 16, cu)
+    got, want = _topn_case(gen, cfg, 1, 300, 4, 1, 16, cu)
     assert torch.equal(got, want)
 
 
@@ -184,7 +184,7 @@ def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed, block
     for shift in (True, False):
         monkeypatch.setattr(topn, "tile_config", lambda D, dtype, s=shift: {
             "BLOCK_T": 16, "CMP_PER_CHUNK": per_chunk, "HEAD_STAGES": 1, "num_warps": 4, "SHIFT_TAIL": s})
-        got, want = _topn_case(gen, cfg, 1, T, 4, 2, 16, cu)
+        got, want = _topn_case(gen, cfg, 1, T, 2, 1, 16, cu)
         assert torch.equal(got, want), shift
 
 
@@ -352,7 +352,7 @@ def test_selection_kernel_combines_in_its_epilogue(gen):
 
 def test_dense_core_output_without_autograd(fused, gen):
     """Under torch.no_grad the dense core gives the output it gives with autograd on."""
-    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32, True)
+    q, k, v, g = make_inputs(gen, 1, 29, 4, 2, 16, 16, torch.float32, True)
     with_grad = nsa_attention(q, k, v, g, CFG)
     with torch.no_grad():
         without = nsa_attention(q, k, v, g, CFG)
@@ -366,18 +366,20 @@ def _core_events():
     return sum(e["calls"] for e in telemetry.snapshot()["events"] if e["event"] == "dense_core")
 
 
-CORE_CASES = [("flash_attn", CFGS[0], 45), ("flash_attn", CFGS[0], 44), ("flash_attn", CFGS[2], 61),
-              ("flash_attn", CFGS[3], 40), ("flash_attn", CFGS[4], 70), ("torch_cudnn", CFGS[0], 45),
-              ("torch_cudnn", CFGS[2], 60)]
+# Small T with the remainders that matter to the core: tail tokens after the folded rows ((T - l + 1) % d,
+# none at T = 27 for l8d4) and a partial last selection block; one case with two batch rows.
+CORE_CASES = [("flash_attn", CFGS[0], 2, 29), ("flash_attn", CFGS[0], 1, 27), ("flash_attn", CFGS[2], 1, 45),
+              ("flash_attn", CFGS[3], 1, 24), ("flash_attn", CFGS[4], 1, 38), ("torch_cudnn", CFGS[0], 1, 29),
+              ("torch_cudnn", CFGS[2], 1, 44)]
 
 
-@pytest.mark.parametrize("provider,cfg,T", CORE_CASES,
-                         ids=["l8d4-tail", "l8d4-notail", "l16d4", "l8d8", "l16d8", "cudnn-l8d4", "cudnn-l16d4"])
-def test_dense_core_matches_torch_path(fused, gen, provider, cfg, T):
+@pytest.mark.parametrize("provider,cfg,B,T", CORE_CASES,
+                         ids=["l8d4-B2", "l8d4-notail", "l16d4", "l8d8", "l16d8", "cudnn-l8d4", "cudnn-l16d4"])
+def test_dense_core_matches_torch_path(fused, gen, provider, cfg, B, T):
     """Outputs, indices and every gradient equal the torch path's, and the core ran (its event)."""
     if provider == "torch_cudnn":
         fused.setattr(HOOKS, "cudnn", backend_fakes.emulated_cudnn())
-    q, k, v, g = make_inputs(gen, 2 if T == 45 else 1, T, 4, 2, 16, 16, torch.float32, True)
+    q, k, v, g = make_inputs(gen, B, T, 4, 2, 16, 16, torch.float32, True)
     _auto_matches_torch_path(gen, q, k, v, g, cfg)
     assert telemetry.served("cmp") == {provider: 1} and telemetry.snapshot()["fallbacks"] == 0
     assert _core_events() == 1
@@ -392,7 +394,7 @@ def test_dense_core_launches_the_window_first(fused, gen):
     start, compress = fused_run.dense_core.start_window, fused_run.compress_kv
     fused.setattr(fused_run.dense_core, "start_window", lambda *a: order.append("window") or start(*a))
     fused.setattr(fused_run, "compress_kv", lambda *a: order.append("compress") or compress(*a))
-    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32)
+    q, k, v, g = make_inputs(gen, 1, 29, 4, 2, 16, 16, torch.float32)
     telemetry.reset()
     got = nsa_attention(q, k, v, g, CFG)
     assert order == ["window", "compress"] and _core_events() == 1
@@ -402,8 +404,8 @@ def test_dense_core_launches_the_window_first(fused, gen):
 def test_dense_core_retained_graph_and_toggle(fused, gen):
     """A second backward through a kept graph gives the same gradients; NSA_DENSE_CORE=0 runs the separate
     operations (no event) with the same result."""
-    q, k, v, g = make_inputs(gen, 1, 45, 4, 2, 16, 16, torch.float32, True)
-    go = torch.randn(1, 45, 4, 16, generator=gen)
+    q, k, v, g = make_inputs(gen, 1, 29, 4, 2, 16, 16, torch.float32, True)
+    go = torch.randn(1, 29, 4, 16, generator=gen)
     telemetry.reset()
     got = nsa_attention(q, k, v, g, CFG)
     first = torch.autograd.grad(got, (q, k, v, g), go, retain_graph=True)
@@ -418,9 +420,9 @@ def test_dense_core_retained_graph_and_toggle(fused, gen):
 
 
 def test_dense_core_given_blocks_and_separate_window_kv(fused, gen):
-    q, k, v, g = make_inputs(gen, 1, 50, 4, 2, 16, 16, torch.float32, True)
-    kw, vw = (torch.randn(1, 50, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
-    idx = torch.randint(-1, 7, (1, 50, 2, CFG.n_sel), generator=gen, dtype=torch.int32)
+    q, k, v, g = make_inputs(gen, 1, 34, 4, 2, 16, 16, torch.float32, True)
+    kw, vw = (torch.randn(1, 34, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    idx = torch.randint(-1, 5, (1, 34, 2, CFG.n_sel), generator=gen, dtype=torch.int32)
     want = nsa_attention(q, k, v, g, CFG, backend="torch", block_indices=idx, kv_win=(kw, vw))
     telemetry.reset()
     got = nsa_attention(q, k, v, g, CFG, block_indices=idx, kv_win=(kw, vw))

@@ -80,3 +80,21 @@ def test_varlen_all_empty_but_zero_length(gen):
     out, idx = nsa_attention(q, k, v, g, cfg, backend="torch", cu_seqlens=torch.tensor([0, 0], dtype=torch.int32),
                              return_indices=True)
     assert out.shape == (1, 0, 2, 3) and idx.shape == (1, 0, 1, cfg.n_sel)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+def test_packed_layout_keeps_the_last_compressed_block(gen, dtype, tol):
+    """l == d and every length a multiple of d: the packed layout needs exactly T // d compressed slots, the
+    last one the final block of the last sequence (whose last token sees it). Outputs, not only shapes,
+    against the fp64 reference of each sequence alone."""
+    cfg = SMALL["l8d8s8n3i0l0"]
+    cu = [0, 16, 16, 40]  # an empty sequence between two whose last tokens complete a block; T = 40
+    assert cfg.block_cmp == cfg.stride_cmp and cu[-1] % cfg.stride_cmp == 0
+    q, k, v, g = make_inputs(gen, 1, cu[-1], 4, 2, 8, 4, dtype=dtype)
+    out, idx = run_poisoned(nsa_attention, q, k, v, g, cfg, backend="torch",
+                            cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_indices=True)
+    for s, e in zip(cu, cu[1:]):
+        if e > s:
+            ref = nsa_reference(*(x[:, s:e].double() for x in (q, k, v, g)), cfg)
+            assert torch.equal(idx[:, s:e], ref.indices), (s, e)
+            assert rel_err(out[:, s:e], ref.out) <= tol, (s, e)

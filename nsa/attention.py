@@ -136,9 +136,11 @@ class NSAAttention(nn.Module):
             if cache is not None:
                 raise NSAInputError("cp_group splits a sequence for training or prefill without a cache; "
                                     "decode with a cache runs on one rank (pass cache=None or no cp_group)")
+            from .distributed import single_rank
             from .distributed.module import cp_forward
 
-            return cp_forward(self, x, cp_group, cu_seqlens=cu_seqlens, backend=backend or self.backend)
+            if not single_rank(cp_group):  # one rank: the plain layer below
+                return cp_forward(self, x, cp_group, cu_seqlens=cu_seqlens, backend=backend or self.backend)
         B, T, _ = x.shape
         decoding = cache is not None and not cache.is_empty
         if decoding and cu_seqlens is not None:

@@ -37,11 +37,12 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
     Returns out [B, T, Hq, Dv] in q's dtype (and the indices when asked).
     """
     if cp_group is not None:
-        from .distributed import cp_nsa_attention
+        from .distributed import cp_nsa_attention, single_rank
 
-        return cp_nsa_attention(q, k, v, gates, config, cp_group=cp_group, cu_seqlens=cu_seqlens,
-                                block_indices=block_indices, return_indices=return_indices, backend=backend,
-                                kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, chunk_size=chunk_size)
+        if not single_rank(cp_group):  # one rank: the plain call below, no collective, no copy
+            return cp_nsa_attention(q, k, v, gates, config, cp_group=cp_group, cu_seqlens=cu_seqlens,
+                                    block_indices=block_indices, return_indices=return_indices, backend=backend,
+                                    kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, chunk_size=chunk_size)
     if not isinstance(config, NSAConfig):
         raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
     if backend not in BACKENDS:

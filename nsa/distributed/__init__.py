@@ -4,6 +4,6 @@
 (docs/context-parallel.md).
 """
 
-from .cp import LAYOUTS, ContextParallel, cp_nsa_attention, positions, resolve, shard
+from .cp import LAYOUTS, ContextParallel, cp_nsa_attention, positions, resolve, shard, single_rank
 
-__all__ = ["LAYOUTS", "ContextParallel", "cp_nsa_attention", "positions", "resolve", "shard"]
+__all__ = ["LAYOUTS", "ContextParallel", "cp_nsa_attention", "positions", "resolve", "shard", "single_rank"]

@@ -117,19 +117,20 @@ def positions(cp_group, local_len: int, device, cu_seqlens=None) -> torch.Tensor
     return tok - cu[seq]
 
 
+def single_rank(cp_group) -> bool:
+    """Whether cp_group (anything cp_nsa_attention accepts) has one rank: then the plain call is the result."""
+    group, _ = resolve(cp_group)
+    return dist.get_world_size(group) == 1
+
+
 def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=None, block_indices=None,
                      return_indices=False, backend="auto", kv_cmp=None, kv_win=None, compress_fn=None,
                      chunk_size=None):
     """nsa_attention over a sequence split across cp_group's ranks; arguments as nsa.nsa_attention, every
     tensor being this rank's slice except cu_seqlens (int32 offsets of the whole stream, on every rank).
-    Returns this rank's slice of the output (and of the indices)."""
+    Returns this rank's slice of the output (and of the indices). nsa_attention and NSAAttention take the
+    plain path for a group of one rank (single_rank) before they come here: this module sits above neither."""
     group, layout = resolve(cp_group)
-    if dist.get_world_size(group) == 1:
-        from ..functional import nsa_attention
-
-        return nsa_attention(q, k, v, gates, config, cu_seqlens=cu_seqlens, block_indices=block_indices,
-                             return_indices=return_indices, backend=backend, kv_cmp=kv_cmp, kv_win=kv_win,
-                             compress_fn=compress_fn, chunk_size=chunk_size)
     if not isinstance(config, NSAConfig):
         raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
     if backend not in CP_BACKENDS:

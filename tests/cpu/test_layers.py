@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 NSA = ROOT / "nsa"
-LAYERS = ("nsa.attention", "nsa.decode", "nsa.functional", "nsa.plan", "nsa.run", "nsa.branches", "nsa.kernels")
+LAYERS = ("nsa.attention", "nsa.decode", "nsa.functional", "nsa.distributed", "nsa.plan", "nsa.run", "nsa.branches",
+          "nsa.kernels")
 
 
 def _module(path: Path) -> str:
@@ -56,6 +57,59 @@ def _upward(path: Path, mod: str) -> list[str]:
 def test_imports_point_down(path):
     up = _upward(path, _module(path))
     assert not up, f"{_module(path)} imports a higher layer: {up}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a module graph: its strongly connected components of more than one module."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _module_edges(path: Path, mod: str, modules: set[str]) -> set[str]:
+    """The nsa modules `mod` imports: `from pkg import name` is an edge to pkg.name when that is a module (the
+    package's __init__ has already run), else to pkg."""
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            edges |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return {e for e in edges if e in modules and e != mod}
+
+
+def test_no_import_cycle_in_nsa():
+    """Module to module (function-level imports included): a cycle means two modules each need the other."""
+    mods = {_module(p): p for p in SOURCES}
+    graph = {m: _module_edges(p, m, set(mods)) for m, p in mods.items()}
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
 
 
 def test_kernels_are_mechanism_only():

@@ -30,8 +30,10 @@ nox.options.error_on_missing_interpreters = False
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The CPU test suite (pytest-xdist over the available cores): the library (tests/cpu), its environment
-    tooling (tests/tooling) and ci/ with the workflows (tests/ci). Extra args go to pytest."""
+    """The CPU test suite: the library, its environment tooling and ci/ (pytest-xdist over all cores).
+
+    tests/cpu (the library), tests/tooling (nsa_env) and tests/ci (ci/ and the workflows). Extra args go to
+    pytest."""
     install_cell(session)
     args = session.posargs or ["tests/cpu", "tests/tooling", "tests/ci", "-n", "auto", "-q"]
     session.run("python", "-m", "pytest", *args, env={"TRITON_INTERPRET": "1"})
@@ -46,8 +48,9 @@ def cpu_smoke(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lock(session: nox.Session) -> None:
-    """Regenerate the hash-pinned locks from requirements/*.in and matrix.toml (all, or `-- CELL ...`), with
-    each GPU cell's flash-attn pin.
+    """Regenerate the hash-pinned locks from requirements/*.in and matrix.toml (all, or `-- CELL ...`).
+
+    Each GPU cell's lock gets its flash-attn pin.
 
     `-- --check` fails when any lock is stale (offline: compares the inputs' digest in each lock header).
     `-- --outdated` asks PyPI what is newer than the matrix and the tool locks (exit 1 when anything is).
@@ -58,7 +61,9 @@ def lock(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Offline checks: actionlint (+shellcheck), workflow JSON schema, zizmor, hadolint, yamllint, ruff and
+    """Offline checks of the workflows, Dockerfiles, Python style and import contracts, with their self-tests.
+
+    actionlint (+shellcheck), workflow JSON schema, zizmor, hadolint, yamllint, ruff and
     the project's workflow policy (ci/lint.py); the import contracts of pyproject's [tool.importlinter]
     (lint-imports: nsa imports no tooling, ci or bench code; the layers of nsa_env and ci); then the
     self-tests that seed bad workflows and forbidden imports. Tools come from the hash-pinned
@@ -78,8 +83,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def rehearse(session: nox.Session) -> None:
-    """Run ci.yml's CPU jobs' steps locally with `act` on this host as on a runner that reaches only package
-    indexes (ci/sessions/rehearse.py says which jobs and how; docs/runners.md). `act` comes from
+    """Run ci.yml's CPU jobs' steps locally with `act`, as on a runner that reaches only package indexes.
+
+    (ci/sessions/rehearse.py says which jobs and how; docs/runners.md). `act` comes from
     requirements/locks/lint.txt. Args: job ids (default: tests smoke)."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/lint.txt")
@@ -88,9 +94,11 @@ def rehearse(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def images(session: nox.Session) -> None:
-    """Docker images of the matrix cells (docs/images.md). `-- --plan [CELL ...]` prints the build plan
-    (tags, bases, build args, flash-attn, expected size) without building; `-- [CELL ...] [--offline]
-    [--without-flash-attn] [--repo R]` builds one cell or all (ci/images.py, BuildKit);
+    """Docker images of the matrix cells: plan, build, or CI's build-and-check (docs/images.md).
+
+    `-- --plan [CELL ...]` prints the build plan (tags, bases, build args, flash-attn, expected size) without
+    building; `-- [CELL ...] [--offline] [--without-flash-attn] [--repo R]` builds one cell or all
+    (ci/images.py, BuildKit);
     `-- --ci [cpu] [gpu]` is CI's build-and-check of the CPU image and the cu130-torch2.11-py312 image
     (docker/ci_images.sh: root, installs docker.io, 5-10 min)."""
     args = list(session.posargs)
@@ -134,10 +142,11 @@ for _suite, _doc in GPU_SUITES.items():
 
 @nox.session(tags=["gpu"])
 def sanitizer(session: nox.Session) -> None:
-    """compute-sanitizer memcheck over the GPU edge sweeps (tests/sanitizer/: the fused pipeline, the FA-2
-    branches, the Triton selection kernel, the decode kernels): fails on any memcheck error, and on a machine
-    without a CUDA GPU or compute-sanitizer unless `-- --skip-no-gpu` (or NSA_SKIP_NO_GPU=1). Other args go
-    to pytest (`-- -k decode`)."""
+    """compute-sanitizer memcheck over the GPU edge sweeps; fails on any memcheck error.
+
+    tests/sanitizer/: the fused pipeline, the FA-2 branches, the Triton selection kernel, the decode kernels.
+    Also fails on a machine without a CUDA GPU or compute-sanitizer unless `-- --skip-no-gpu` (or
+    NSA_SKIP_NO_GPU=1). Other args go to pytest (`-- -k decode`)."""
     install_cell(session, flash_attn=True)  # the FA-2 sweep runs flash-attn where the cell has it
     args = list(session.posargs)
     skip = "--skip-no-gpu" in args or os.environ.get("NSA_SKIP_NO_GPU") == "1"
@@ -148,8 +157,9 @@ def sanitizer(session: nox.Session) -> None:
 
 @nox.session
 def runbooks(session: nox.Session) -> None:
-    """The nsa-vibe runbook's and GPU test plan's commands that need no GPU, as written (tests/runbooks.sh;
-    docs/migration.md): about 15 minutes on 2 cores. Args: a step-name filter."""
+    """The nsa-vibe runbook's and GPU test plan's commands that need no GPU, run as written.
+
+    tests/runbooks.sh; docs/migration.md. About 15 minutes on 2 cores. Args: a step-name filter."""
     install_cell(session)
     # The documents' `uv run -q ...` lines need uv: nox's own (requirements/bootstrap.txt) after the venv's bin.
     path = os.pathsep.join([session.bin, str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -158,9 +168,10 @@ def runbooks(session: nox.Session) -> None:
 
 @nox.session
 def package(session: nox.Session) -> None:
-    """Build the sdist and the wheel (`python -m build`) into dist/, check them with `twine check --strict`, and
-    check that the wheel ships LICENSE, NOTICE and py.typed and requires numpy. Tools from the hash-pinned
-    requirements/locks/tools.txt; no torch needed."""
+    """Build the sdist and the wheel into dist/ and check them (twine check --strict, the wheel's contents).
+
+    `python -m build`, then `twine check --strict`, then a check that the wheel ships LICENSE, NOTICE and
+    py.typed and requires numpy. Tools from the hash-pinned requirements/locks/tools.txt; no torch needed."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install("--require-hashes", "-r", "requirements/locks/tools.txt")
     out = ROOT / "dist"
@@ -188,6 +199,8 @@ print(wheel, "ships", ", ".join(need)) if not missing else sys.exit(f"{wheel} la
 
 @nox.session(venv_backend="none")
 def publish(session: nox.Session) -> None:
-    """Merge artifacts/**/known_good.json (or `-- FILES/DIRS`) into KNOWN_GOOD.md and known_good.json, judging each
-    run again; undated, future-dated and non-main CI runs are refused with a message (docs/gpu-suites.md)."""
+    """Merge runs' known_good.json into KNOWN_GOOD.md and known_good.json, judging each run again.
+
+    Inputs: artifacts/**/known_good.json (or `-- FILES/DIRS`); undated, future-dated and non-main CI runs are
+    refused with a message (docs/gpu-suites.md)."""
     session.run(sys.executable, "-m", "ci.evidence.known_good", *session.posargs, external=True)

@@ -629,3 +629,18 @@ def test_dependency_updates_cover_actions_locks_and_base_images():
     found = {(m["depName"], m["currentValue"]) for m in pattern.finditer(text)}
     m = load()
     assert found == {tuple(i.split(":", 1)) for c in m.cells for i in (c.base_image, c.runtime_image)}
+
+
+def test_each_session_lists_as_one_whole_sentence():
+    """`nox -l` shows the first line of each session's docstring: it must be a sentence of its own (ending in a
+    period, not cut off mid-sentence), short enough for one terminal line."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    firsts = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [ast.unparse(x) for x in node.targets] == ["GPU_SUITES"]:
+            firsts.update({k: v.splitlines()[0] for k, v in ast.literal_eval(node.value).items()})
+        if isinstance(node, ast.FunctionDef) and any("session" in ast.unparse(d) for d in node.decorator_list):
+            firsts[node.name] = (ast.get_docstring(node) or "").splitlines()[0] if ast.get_docstring(node) else ""
+    assert set(nox_sessions()) <= set(firsts)
+    bad = {name: line for name, line in firsts.items() if not line.endswith(".") or len(line) > 118}
+    assert not bad, f"`nox -l` would cut or run on these descriptions: {bad}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...device import on_gpu
 from ..common import next_pow2 as _np2
 
 
@@ -87,7 +88,7 @@ class DecodeWorkspace:
         self.BLOCK_N = tuning.block_n or (64 if max(self.BLOCK_DK, self.BLOCK_DV) <= 128 else 32)
         self.BLOCK_N_SEL = min(max(16, _np2(cfg.block_sel)), self.BLOCK_N)
         BH = B * Hkv
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu(device) else 0
         target = tuning.target_programs or (4 * sms if sms else 64)
         self.target_programs = target
         per_bh = max(1, _cdiv(target, BH))
@@ -139,7 +140,7 @@ class DecodeWorkspace:
         self.CHUNK_CMP, self.CHUNK_WIN, self.CHUNK_SEL = (
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
-        if device.type == "cuda":
+        if on_gpu(device):
             smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
             kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
             # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)

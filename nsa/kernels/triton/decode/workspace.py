@@ -25,10 +25,12 @@ def _max_shared_mem(device) -> int:
         return 99 * 1024
 
 
-def _stages(tile_bytes: int, smem: int, low_precision: bool) -> int:
+def _stages(tile_bytes: int, smem: int, low_precision: bool, q_bytes: int = 0) -> int:
     """Pipeline depth of a K/V tile loop: 3 for 16-bit tiles (2 for fp32), fewer where shared memory is short
-    (32 KiB kept for everything else the kernel stages)."""
-    fit = max(1, (smem - 32 * 1024) // tile_bytes)
+    (kept beside the tiles: 32 KiB, or the q tile of `q_bytes` where that is larger, which the dots stage too).
+    A larger q tile occurs for fp32 with 64 heads and D=256 only: 2 stages needed 196608 bytes, past the
+    A100's 166912 (bench/triton_compile_check.py --arch 80); sm 9.0's 232448 still hold 2 stages there."""
+    fit = max(1, (smem - max(32 * 1024, q_bytes)) // tile_bytes)
     return int(min(3 if low_precision else 2, fit))
 
 
@@ -142,10 +144,10 @@ class DecodeWorkspace:
         self.tuning = tuning
         if on_gpu(device):
             smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
-            kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
+            kv_row, q_bytes = (self.BLOCK_DK + self.BLOCK_DV) * elem, self.BLOCK_G * self.BLOCK_DK * elem
             # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
-            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low))
-            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
+            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low, q_bytes))
+            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low, q_bytes)
             if self.window_with_sel:  # its window loop is pipelined like the compressed one
                 self.stages_sel = min(self.stages_sel, self.stages_cmp)
         f32 = dict(device=device, dtype=torch.float32)

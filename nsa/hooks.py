@@ -11,7 +11,10 @@ Fields of the one `HOOKS` object:
 - cudnn: the torch_cudnn provider used instead of nsa.plan.providers.CUDNN;
 - tma: False reads every K/V tile through pointers, never through TMA descriptors (GPU tests compare both);
 - tma_force: descriptors on any device and dtype (Triton's interpreter runs them on CPU tensors);
-- cache_cpu_plans: plans of CPU calls are cached as CUDA calls' are (tests of the plan cache).
+- cache_cpu_plans: plans of CPU calls are cached as CUDA calls' are (tests of the plan cache);
+- pretend_gpu: a compute capability (major, minor): the kernels' launchers treat tensors on any device as
+  on a GPU of that capability and choose its launch parameters (bench/triton_compile_check.py records
+  the launches and compiles them for that target; nothing can run then).
 
 Per-provider hooks are fields of the provider objects themselves (nsa.plan.providers: `capability`,
 `allow_cpu`, `kernel_dtypes`, `available_override`). This module imports nothing of the library, so every
@@ -32,6 +35,7 @@ class TestHooks:
     tma: bool = True
     tma_force: bool = False
     cache_cpu_plans: bool = False
+    pretend_gpu: tuple[int, int] | None = None
 
 
 HOOKS = TestHooks()

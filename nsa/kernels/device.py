@@ -1,5 +1,5 @@
-"""Device facts shared by the kernels and the guards of planning: a failed guard (reason code + message)
-and the GPU's compute capability (cached per device index)."""
+"""Device facts shared by the kernels and the guards of planning: a failed guard (reason code + message),
+the GPU's compute capability (cached per device index) and whether launches target a GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from ..hooks import HOOKS
 
 ADA = (8, 9)
 
@@ -21,9 +23,17 @@ class Failure:
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
+    if HOOKS.pretend_gpu is not None:
+        return HOOKS.pretend_gpu
     if device.type != "cuda":
         return None
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether kernels launched for tensors on `device` run on a GPU (launch options such as num_warps apply),
+    not in Triton's interpreter."""
+    return device.type == "cuda" or HOOKS.pretend_gpu is not None
 
 
 @lru_cache(maxsize=16)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import on_gpu
 from . import tma
 from .common import bh_program
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
@@ -95,7 +96,7 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DV=bdv, NUM_STAGES=1)
     n_sub = triton.cdiv(block_sel, kv_bn)
     red = dict(BLOCK_N=min(REDUCE_BLOCK_N, kv_bn), BLOCK_D=REDUCE_BLOCK_D)
-    if device.type == "cuda":
+    if on_gpu(device):
         dq.update(num_warps=8 if width > 256 or ieee else 1 if one_warp else 4, num_stages=dq["NUM_STAGES"])
         dkdv.update(num_warps=4, num_stages=dkdv["NUM_STAGES"])
         red.update(num_warps=4)
@@ -104,7 +105,7 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
 
 
 def _n_programs(device: torch.device) -> int:
-    if device.type == "cuda":
+    if on_gpu(device):
         return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
     return 4  # Triton's interpreter runs programs one after another
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import device_capability
 from . import tma
 from .combine import _gates, _segment_off
 from .common import bh_program, load_tile, pv_dot, qk_dot, softmax_step
@@ -130,17 +131,23 @@ def _sel_fwd_kernel(
 
 
 def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: int = 64,
-                  max_block_n: int = 64, tma: bool = False, combine: bool = False) -> dict:
+                  max_block_n: int = 64, tma: bool = False, combine: bool = False, capability=None) -> dict:
     """Tile sizes, tokens per program, warps, pipeline depth and TMA copies for one shape (H100, G=16,
     D=128, 8k-64k, bench/tune_kernels.py, tune_topn_sel.csv and tune_sel_fwd.csv): with pointer loads 2
     tokens per program, 3 stages, 4 warps; with TMA copies 1 token and 1 warp for up to 16 heads (64k: 16.5
     ms against 16.8 with 4 warps and 3 stages; 8k: 1.82 against 1.96 ms), in 16-token tiles with 3 stages
     (64k: 16.4-16.7 ms against 16.7-16.9 with 64-token tiles and 2 stages; 8k: 1.72-1.74 against 1.83-1.84
     ms). With the gate combine in the epilogue, 32-token tiles (H200, 64k: 13.65 ms against 13.86 with
-    16-token tiles and 14.00 with 32-token tiles in 2 stages; 8k: 1.66 against 1.73)."""
+    16-token tiles and 14.00 with 32-token tiles in 2 stages; 8k: 1.66 against 1.73).
+
+    capability: the GPU's (None: sm 9.0's table). sm 8.x has entries of its own where these do not fit it:
+    fp32 with more than 16 heads per group (64-row q tiles) needs 180-213 KB of shared memory per block in
+    64-token tiles, past the A100's 163 KB, and at D=128 ptxas keeps 32 registers and spills 32 KB with 4
+    warps; 32-token tiles with 8 warps need 57-140 KB and spill at most 820 bytes for D = 64-256
+    (bench/triton_compile_check.py --arch 80; chosen by compile resources, not yet timed on an A100)."""
     wide = max(Dk, Dv) > 128
     one_warp = tma and not wide and G <= 16 and dtype != torch.float32
-    return {
+    table = {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
         "BLOCK_N": min(32 if combine else 16, max(16, _np2(block_sel))) if one_warp
         else min(max(16, _np2(block_sel)), max_block_n),
@@ -151,6 +158,9 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
         "STAGES": 2 if wide else 3,
         "num_warps": 8 if wide else 1 if one_warp else 4,
     }
+    if capability is not None and capability[0] < 9 and dtype == torch.float32 and table["BLOCK_G"] > 16:
+        table.update(BLOCK_N=min(table["BLOCK_N"], 32), num_warps=8)
+    return table
 
 
 def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, config: dict | None = None,
@@ -180,8 +190,8 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
         return (o, lse) if combine is None else (out, o, lse)
     G = Hq // Hkv
     use_tma = tma.supported(k, v) if (config or {}).get("TMA") is None else config["TMA"]
-    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n, use_tma, combine is not None),
-            **(config or {})}
+    meta = {**launch_config(G, Dk, Dv, block_sel, q.dtype, max_block_g, max_block_n, use_tma, combine is not None,
+                            device_capability(q.device)), **(config or {})}
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     n = indices.shape[3]

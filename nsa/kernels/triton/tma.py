@@ -20,7 +20,7 @@ import torch
 from packaging.version import Version
 
 from ...hooks import HOOKS
-from ..device import device_capability
+from ..device import device_capability, on_gpu
 
 # nsa.hooks.HOOKS.tma = False: pointer loads everywhere (GPU tests compare both paths); HOOKS.tma_force:
 # descriptors on any device and dtype (Triton's interpreter runs them on CPU tensors).
@@ -45,7 +45,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dim() != 4 or t.stride(-1) != 1:
             return False
-        if not force and (not t.is_cuda or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
+        if not force and (not on_gpu(t.device) or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
             return False
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False

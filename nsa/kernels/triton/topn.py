@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import device_capability
 from . import tma
 from .common import bh_program
 
@@ -304,6 +305,25 @@ def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4, "SHIFT_TAIL": True}
 
 
+def tile_config_sm8x(D: int, dtype: torch.dtype) -> dict | None:
+    """sm 8.x's own entries where tile_config's (tuned on sm 9.0) do not fit it, else None. Without TMA the q
+    tiles and compressed keys come by pointer loads, through registers: for heads wider than 128 the sm 9.0
+    entry (256 blocks per chunk, tails by their own dot) needs 196864 bytes of shared memory per block on
+    sm 8.0, past the A100's 166912, and with one head per group ptxas keeps 32 registers and spills 28 KB.
+    64 blocks per chunk with the tails shifted from the group tile need 33-49 KB and spill at most 36 bytes
+    for G = 1-64 (bench/triton_compile_check.py --arch 80; chosen by compile resources, not yet timed on an
+    A100)."""
+    if dtype != torch.float32 and D > 128:
+        return {"BLOCK_T": 64, "CMP_PER_CHUNK": 64, "HEAD_STAGES": 2, "num_warps": 8, "SHIFT_TAIL": True}
+    return None
+
+
+def launch_table(D: int, dtype: torch.dtype, capability) -> dict:
+    """The tile configuration for a GPU of this compute capability (None: sm 9.0's table)."""
+    own = tile_config_sm8x(D, dtype) if capability is not None and capability[0] < 9 else None
+    return own if own is not None else tile_config(D, dtype)
+
+
 def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
     """Selection blocks int32 [B, T, Hkv, n_sel] for every query (see the module doc for the contract)."""
     B, T, Hq, Dk = q.shape
@@ -318,7 +338,7 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     fail = unsupported(cfg)
     if fail:
         raise ValueError(fail)
-    meta = {**tile_config(Dk, q.dtype), **(config or {})}
+    meta = {**launch_table(Dk, q.dtype, device_capability(q.device)), **(config or {})}
     block_j, r_pad, c_pad = chunk_shape(cfg, meta.pop("CMP_PER_CHUNK", 64))
     warps = meta.pop("num_warps")
     # The shift's dot needs 16 rows and columns.
@@ -346,4 +366,4 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     return idx
 
 
-__all__ = ["topn_triton", "tile_config", "unsupported"]
+__all__ = ["launch_table", "topn_triton", "tile_config", "tile_config_sm8x", "unsupported"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ...device import on_gpu
 from ..common import LOG2E
 from .append import _append_kernel
 from .cmp_win import _cmp_win_kernel
@@ -57,7 +58,7 @@ def _last_dim_contiguous(x):
 
 def _launch_opts(device, warps: int, ws=None, stages: str | None = None) -> dict:
     """Launch options on CUDA (the interpreter takes none); `stages` names the workspace's pipeline depth."""
-    if device.type != "cuda":
+    if not on_gpu(device):
         return {}
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": getattr(ws, stages)}
 

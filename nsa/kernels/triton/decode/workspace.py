@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...device import on_gpu
 from ..common import next_pow2 as _np2
 
 
@@ -24,10 +25,12 @@ def _max_shared_mem(device) -> int:
         return 99 * 1024
 
 
-def _stages(tile_bytes: int, smem: int, low_precision: bool) -> int:
+def _stages(tile_bytes: int, smem: int, low_precision: bool, q_bytes: int = 0) -> int:
     """Pipeline depth of a K/V tile loop: 3 for 16-bit tiles (2 for fp32), fewer where shared memory is short
-    (32 KiB kept for everything else the kernel stages)."""
-    fit = max(1, (smem - 32 * 1024) // tile_bytes)
+    (kept beside the tiles: 32 KiB, or the q tile of `q_bytes` where that is larger, which the dots stage too).
+    A larger q tile occurs for fp32 with 64 heads and D=256 only: 2 stages needed 196608 bytes, past the
+    A100's 166912 (bench/triton_compile_check.py --arch 80); sm 9.0's 232448 still hold 2 stages there."""
+    fit = max(1, (smem - max(32 * 1024, q_bytes)) // tile_bytes)
     return int(min(3 if low_precision else 2, fit))
 
 
@@ -87,7 +90,7 @@ class DecodeWorkspace:
         self.BLOCK_N = tuning.block_n or (64 if max(self.BLOCK_DK, self.BLOCK_DV) <= 128 else 32)
         self.BLOCK_N_SEL = min(max(16, _np2(cfg.block_sel)), self.BLOCK_N)
         BH = B * Hkv
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu(device) else 0
         target = tuning.target_programs or (4 * sms if sms else 64)
         self.target_programs = target
         per_bh = max(1, _cdiv(target, BH))
@@ -139,12 +142,12 @@ class DecodeWorkspace:
         self.CHUNK_CMP, self.CHUNK_WIN, self.CHUNK_SEL = (
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
-        if device.type == "cuda":
+        if on_gpu(device):
             smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
-            kv_row = (self.BLOCK_DK + self.BLOCK_DV) * elem
+            kv_row, q_bytes = (self.BLOCK_DK + self.BLOCK_DV) * elem, self.BLOCK_G * self.BLOCK_DK * elem
             # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
-            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low))
-            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low)
+            self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low, q_bytes))
+            self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low, q_bytes)
             if self.window_with_sel:  # its window loop is pipelined like the compressed one
                 self.stages_sel = min(self.stages_sel, self.stages_cmp)
         f32 = dict(device=device, dtype=torch.float32)

@@ -283,13 +283,7 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
             continue
         row = dict(base, impl=impl, backend=backends[impl], status="ok")
         try:
-            fwd, fwdbwd = cases[impl]
-            row["fwd_ms"] = timed(fwd, args, device)
-            row["fwdbwd_ms"] = timed(fwdbwd, args, device)
-            row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
-            peaks = peak_mib(fwdbwd, device)
-            if peaks:
-                row["peak_mib_max"], row["peak_mib_ranks"] = max(peaks), ";".join(map(str, peaks))
+            measure(row, *cases[impl], args, device)
         except torch.OutOfMemoryError:
             row["status"] = "oom"
         rows.append(row)
@@ -302,6 +296,16 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
     if W == 1 or (args.single and mode == "strong"):
         rows.append(single_row(args, device, cfg, base, shape, T_total, dtype))
     return rows
+
+
+def measure(row, fwd, fwdbwd, args, device) -> None:
+    """Fill a row's forward, forward+backward and backward times and the ranks' peak memory."""
+    row["fwd_ms"] = timed(fwd, args, device)
+    row["fwdbwd_ms"] = timed(fwdbwd, args, device)
+    row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
+    peaks = peak_mib(fwdbwd, device)
+    if peaks:
+        row["peak_mib_max"], row["peak_mib_ranks"] = max(peaks), ";".join(map(str, peaks))
 
 
 def ring_row(args, device, base, shape, T_total, dtype, mesh, dout):
@@ -325,12 +329,7 @@ def ring_row(args, device, base, shape, T_total, dtype, mesh, dout):
         def fwdbwd():
             dense_ring(*fresh(), mesh)  # forward and backward inside the context
 
-        row["fwd_ms"] = timed(fwd, args, device)
-        row["fwdbwd_ms"] = timed(fwdbwd, args, device)
-        row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
-        peaks = peak_mib(fwdbwd, device)
-        if peaks:
-            row["peak_mib_max"], row["peak_mib_ranks"] = max(peaks), ";".join(map(str, peaks))
+        measure(row, fwd, fwdbwd, args, device)
     except Exception as exc:  # noqa: BLE001 - recorded in the row: torch's experimental API varies by release
         row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return row

@@ -22,20 +22,28 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, mod: str | None = None) -> set[str]:
-    """Every nsa module `path` (the module `mod`) imports, anywhere in the file, relative imports resolved."""
-    mod = mod or _module(path)
+def _import_names(path: Path, mod: str) -> list[tuple[str, str | None]]:
+    """(module, name) of every import in the file, anywhere in it, relative imports resolved: `import a.b` is
+    ("a.b", None), `from a import b` is ("a", "b")."""
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            found += [(a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            found |= {f"{base}.{a.name}" for a in node.names} | {base}
+            found += [(base, a.name) for a in node.names]
+    return found
+
+
+def _imports(path: Path, mod: str | None = None) -> set[str]:
+    """Every nsa module `path` (the module `mod`) imports, anywhere in the file, relative imports resolved."""
+    found = set()
+    for base, name in _import_names(path, mod or _module(path)):
+        found |= {base} if name is None else {base, f"{base}.{name}"}
     return {m for m in found if m == "nsa" or m.startswith("nsa.")}
 
 
@@ -90,17 +98,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def _module_edges(path: Path, mod: str, modules: set[str]) -> set[str]:
     """The nsa modules `mod` imports: `from pkg import name` is an edge to pkg.name when that is a module (the
     package's __init__ has already run), else to pkg."""
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    edges = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            edges |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    pairs = _import_names(path, mod)
+    edges = {f"{base}.{name}" if name and f"{base}.{name}" in modules else base for base, name in pairs}
     return {e for e in edges if e in modules and e != mod}
 
 

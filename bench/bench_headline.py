@@ -298,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--only", default=None, help="comma-separated figure names (default: every figure)")
     args = ap.parse_args(argv)
-    res = run(args.device, "full" if args.full else "tiny" if args.tiny else "quick", args.repeats, args.iters)
+    only = args.only.split(",") if args.only else None
+    res = run(args.device, "full" if args.full else "tiny" if args.tiny else "quick", args.repeats, args.iters,
+              only=only)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     for name, f in res["figures"].items():

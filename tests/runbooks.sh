@@ -16,7 +16,11 @@ ROOT="$PWD"
 only="${1:-}"
 py_env="$(python -c 'import sys; print(sys.prefix)')"
 export UV_NO_SYNC=1 UV_PROJECT_ENVIRONMENT="$py_env"
-export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"  # the Triton kernels' CPU tests run interpreted, as in nox -s tests
+# The Triton kernels' CPU tests run interpreted, as in nox -s tests; on a GPU host the kernels compile for the GPU
+# (the GPU tests run there) and the interpreter tests skip, saying why, unless TRITON_INTERPRET=1 is set.
+if [ -z "${TRITON_INTERPRET+x}" ] && ! python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    export TRITON_INTERPRET=1
+fi
 # The commands stay as written; their pytest runs spread over the cores where pytest-xdist is installed.
 if [ -z "${PYTEST_ADDOPTS+x}" ] && python -c 'import xdist' 2>/dev/null; then
     export PYTEST_ADDOPTS="-n auto"

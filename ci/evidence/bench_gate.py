@@ -8,9 +8,11 @@
 HEADLINE.json comes from bench/bench_headline.py: each figure is the median over repeats. A figure
 regresses when it is worse than its baseline by more than the allowance (bench/baselines.json's
 policy.allowance, or the figure's own "allowance"): for "lower is better", value > baseline * (1 + a).
-`check` exits 1 on any regression. A GPU class or figure with no baseline is reported as NO-BASELINE
-(exit 0; `--strict` makes it exit 1). `promote` writes the run's figures as the class's baselines,
-recording where each number came from (commit, date, host, GPU, torch, artifact path).
+`check` exits 1 on any regression. The GPU sessions measure a failed figure again in a second process
+(`second_opinion`): it fails the gate only when that measurement fails too. A GPU class or figure with no
+baseline is reported as NO-BASELINE (exit 0; `--strict` makes it exit 1). `promote` writes the run's figures
+as the class's baselines, recording where each number came from (commit, date, host, GPU, torch, artifact
+path).
 """
 
 from __future__ import annotations
@@ -61,9 +63,23 @@ def compare(figures: dict, baselines: dict, cls: str) -> dict:
             row.update(baseline=b, ratio=value / b if b else None, limit=limit, allowance=allow, better=better,
                        status=PASS if ok else FAIL, source=base.get("source"))
         rows.append(row)
+    return {"status": _status(rows), "class": cls, "allowance": default_allow, "rows": rows}
+
+
+def _status(rows: list[dict]) -> str:
     statuses = {r["status"] for r in rows}
-    status = FAIL if FAIL in statuses else (NO_BASELINE if NO_BASELINE in statuses or not rows else PASS)
-    return {"status": status, "class": cls, "allowance": default_allow, "rows": rows}
+    return FAIL if FAIL in statuses else (NO_BASELINE if NO_BASELINE in statuses or not rows else PASS)
+
+
+def second_opinion(result: dict, retry_figures: dict, baselines: dict, cls: str) -> dict:
+    """result with each failed figure replaced by its measurement in a second process (retry_figures): a
+    figure bound by host speed (the eager decode step) moved by up to 2x between two processes of the same
+    code on one machine, so a regression counts only when it holds in both. The first value stays in the row."""
+    again = {r["figure"]: r for r in compare(retry_figures, baselines, cls)["rows"]}
+    rows = [{**r, **{k: again[r["figure"]][k] for k in ("value", "ratio", "status")}, "first_value": r["value"]}
+            if r["status"] == FAIL and r["figure"] in again else r for r in result["rows"]]
+    out = {**result, "rows": rows, "status": _status(rows)}
+    return {**out, "lines": describe(out)}
 
 
 def describe(result: dict) -> list[str]:
@@ -73,7 +89,8 @@ def describe(result: dict) -> list[str]:
         head = f"{r['figure']}: {r['value']:.4f} {r.get('unit', 'ms')}"
         out.append(f"{head}, no baseline for {result['class']} ({r['status']})" if r["baseline"] is None else
                    f"{head} vs baseline {r['baseline']:.4f} (x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance "
-                   f"{r['allowance']:.0%}, {r.get('better', 'lower')} is better) {r['status']}")
+                   f"{r['allowance']:.0%}, {r.get('better', 'lower')} is better) {r['status']}"
+                   + (f" (second process; the first measured {r['first_value']:.4f})" if "first_value" in r else ""))
     return out
 
 

@@ -113,8 +113,11 @@ def _worker(rank, world, port, outdir):
 
 def _launch(fn, world, *args):
     """Run fn(rank, world, port, *args) on `world` processes. Fork where the platform has it: a spawned
-    rank imports torch anew (seconds per rank on a loaded two-core runner), a forked one does not."""
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    rank imports torch anew (seconds per rank on a loaded two-core runner), a forked one does not. Spawn
+    once this process has initialised CUDA (GPU tests earlier in the same run): a forked child cannot use it,
+    and the optimizer's step asks CUDA whether a graph is being captured."""
+    fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    method = "fork" if fork else "spawn"
     mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=True, start_method=method)
 
 

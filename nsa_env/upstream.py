@@ -120,6 +120,10 @@ def flash_wheel(
 ) -> tuple[dict[str, Any] | None, str]:
     """(the upstream wheel entry {wheel, url, ...} or None, why none). Lookup only: the list is generated."""
     rel = facts.get("flash_attn", {}).get(version)
+    if rel is None and version in facts.get("flash_attn_unlisted", {}):
+        combo = flash_combo(torch_mm, cuda_major, python, cxx11abi)
+        return None, (f"flash-attn {version} publishes no wheel for {combo} that this nsa knows of (its release "
+                      "is read from PyPI, which has only its source)")
     if rel is None:
         known = ", ".join(flash_versions(facts)) or "none"
         return None, f"flash-attn {version} is not in this nsa's upstream facts (known: {known})"

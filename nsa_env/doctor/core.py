@@ -98,8 +98,21 @@ class Context:
 
     @cached_property
     def flash_version(self) -> str:
-        known = upstream.flash_versions(self.facts)
-        return self.flash.get("version") or (known[-1] if known else "<version>")
+        """The flash-attn to name here: the installed one; else the newest release with an upstream wheel for
+        this torch/CUDA/Python/ABI (a download); else the newest release (a source build, the version the
+        matrix's source-build cells pin: 2.8.3.post2 names CUDA 13 correctly where 2.8.3 asks for cu12)."""
+        if self.flash.get("version"):
+            return self.flash["version"]
+        listed = upstream.flash_versions(self.facts)
+        every = sorted({*listed, *self.facts.get("flash_attn_unlisted", {})}, key=Version)
+        t = self.torch
+        if t.get("version"):
+            combo = (major_minor(t["version"]), (t.get("cuda") or "12").split(".")[0], self.python_mm,
+                     bool(t.get("cxx11abi")))
+            with_wheel = [v for v in listed if upstream.flash_wheel(self.facts, v, *combo)[0] is not None]
+            if with_wheel:
+                return with_wheel[-1]
+        return every[-1] if every else "<version>"
 
     @cached_property
     def flash_wheel(self) -> tuple[dict[str, Any] | None, str]:

@@ -442,3 +442,13 @@ def test_index_unreachable_from_the_log_even_without_torch(log):
 def test_index_unreachable_is_quiet_without_such_a_log():
     assert "index_unreachable" not in found(cpu_report(), PIP_ISOLATION_LOG)
     assert "index_unreachable" not in found(cpu_report(), "")
+
+
+def test_flash_version_named_for_a_source_build_is_the_newest_release():
+    """Where no upstream wheel fits (torch 2.11 on CUDA 13), the doctor names the release the source-build cells
+    pin (2.8.3.post2), not 2.8.3; where one fits (torch 2.8, CUDA 12), the wheel's version."""
+    from nsa_env.doctor.core import Context
+
+    facts = upstream.load()
+    assert Context(gpu_machine_report(), facts=facts).flash_version == "2.8.3.post2"
+    assert Context(torch28_report(), facts=facts).flash_version == "2.8.3"

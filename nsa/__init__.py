@@ -14,6 +14,7 @@ _EXPORTS = {
     "nsa_attention": "functional",
     "nsa_reference": "reference",
     "NSACache": "cache",
+    "PagedNSACache": "paged_cache",
     "nsa_decode": "decode",
     "nsa_prefill": "decode",
     "NSAAttention": "attention",

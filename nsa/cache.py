@@ -263,8 +263,7 @@ class NSACache:
         cfg = self.config
         with torch.no_grad():
             pos = start[b_of] + local
-            self.k_sel[b_of, pos] = fk
-            self.v_sel[b_of, pos] = fv
+            self._store_tokens(b_of, pos, fk, fv)
             # Compressed blocks completed by these tokens (before the raw ring moves on): their tokens come
             # from the new input (positions >= start) or the raw ring (the last l - 1 before it).
             i0 = cfg.n_cmp_blocks(min(lengths))
@@ -281,9 +280,8 @@ class NSACache:
                 vb = torch.where(mask, fvc[row], self.v_raw_cmp[:, ring])
                 kcmp, vcmp = compress_blocks(kb, vb, compress_fn)
                 done = ((slots[None] >= n_cmp_blocks_dev(start, cfg)[:, None])
-                        & (slots[None] < n_cmp_blocks_dev(end, cfg)[:, None]))[..., None, None]
-                self.k_cmp[:, i0:i1] = torch.where(done, kcmp, self.k_cmp[:, i0:i1])
-                self.v_cmp[:, i0:i1] = torch.where(done, vcmp, self.v_cmp[:, i0:i1])
+                        & (slots[None] < n_cmp_blocks_dev(end, cfg)[:, None]))
+                self._store_cmp(torch.arange(B, device=device)[:, None], slots[None], done, kcmp, vcmp)
             for ring_buf, src in ((self.k_win, fkw), (self.v_win, fvw), (self.k_raw_cmp, fkc), (self.v_raw_cmp, fvc)):
                 _ring_update(ring_buf, src, start, end, row0)
             self.cache_seqlens.copy_(end.to(torch.int32))
@@ -298,8 +296,7 @@ class NSACache:
         t = self.cache_seqlens.long()
         b = torch.arange(self.batch, device=self.device)
         with torch.no_grad():
-            self.k_sel[b, t] = k[:, 0]
-            self.v_sel[b, t] = v[:, 0]
+            self._store_tokens(b, t, k[:, 0], v[:, 0])
             slot = t % self.window_slots
             self.k_win[b, slot] = kw[:, 0]
             self.v_win[b, slot] = vw[:, 0]
@@ -314,20 +311,43 @@ class NSACache:
         t = self.cache_seqlens.long()
         b = torch.arange(self.batch, device=self.device)
         rel = t + 1 - cfg.block_cmp
-        done = ((rel >= 0) & (rel % cfg.stride_cmp == 0))[:, None, None]
+        done = (rel >= 0) & (rel % cfg.stride_cmp == 0)
         i = torch.div(rel, cfg.stride_cmp, rounding_mode="floor").clamp(0, self.cmp_capacity - 1)
         slots = (t[:, None] + 1 + torch.arange(cfg.block_cmp, device=self.device)) % cfg.block_cmp  # oldest first
         with torch.no_grad():
             kcmp, vcmp = compress_blocks(self.k_raw_cmp[b[:, None], slots][:, None],
                                          self.v_raw_cmp[b[:, None], slots][:, None], compress_fn)
-            self.k_cmp[b, i] = torch.where(done, kcmp[:, 0], self.k_cmp[b, i])
-            self.v_cmp[b, i] = torch.where(done, vcmp[:, 0], self.v_cmp[b, i])
+            self._store_cmp(b, i, done, kcmp[:, 0], vcmp[:, 0])
 
     def commit_step(self, on_device: bool = True) -> None:
         """Publish one decode step: every length + 1 (on the device unless a kernel already did it)."""
         if on_device:
             self.cache_seqlens.add_(1)
         self._steps += 1
+
+    # -- storage: where tokens and compressed blocks live (a paged cache replaces these) ----------------------
+    def _store_tokens(self, b, pos, k, v) -> None:
+        """Raw K/V of the tokens at positions pos of sequences b (long tensors of one shape, rows of k/v)."""
+        self.k_sel[b, pos] = k
+        self.v_sel[b, pos] = v
+
+    def _store_cmp(self, b, i, done, kc, vc) -> None:
+        """Compressed block i of sequence b := kc/vc where `done` (b, i, done broadcast to kc's leading dims)."""
+        mask = done[..., None, None]
+        self.k_cmp[b, i] = torch.where(mask, kc, self.k_cmp[b, i])
+        self.v_cmp[b, i] = torch.where(mask, vc, self.v_cmp[b, i])
+
+    def compressed_kv(self, n: int, row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n compressed blocks of every sequence (or of `row` only), [B or 1, n, Hkv, D]; entries
+        past a sequence's own blocks are stale or zero: the branches mask them by position."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        return self.k_cmp[rows, :n], self.v_cmp[rows, :n]
+
+    def selected_kv(self, row: int | None = None) -> tuple:
+        """(k, v, page kwargs) for nsa.branches.selected.naive.selected_chunk: raw K/V by position, of every
+        sequence or of `row` only."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        return self.k_sel[rows], self.v_sel[rows], {}
 
     # -- what the branches read ----------------------------------------------------------------------------
     def window_positions(self, t: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,13 @@ plan_decode_backend = plan_decode  # the name this decision had before planning 
 def _check_step(q, k, v, gates, cache: NSACache, cfg, kv_cmp, kv_win, compress_fn, out):
     """Every check of a decode step, before anything is written. Returns (k, v, kc, vc, kw, vw)."""
     if not isinstance(cache, NSACache):
-        raise NSAInputError(f"cache must be an nsa.NSACache, got {type(cache).__name__}")
+        raise NSAInputError(f"cache must be an nsa.NSACache or nsa.PagedNSACache, got {type(cache).__name__}")
     if cfg != cache.config:
         raise NSAInputError("config differs from the cache's config")
     shapes = check_qkv(q, k, v, gates)
     if shapes.T != 1:
         raise NSAInputError(f"nsa_decode takes one new token per sequence (T=1), got T={shapes.T}: "
-                            "use nsa_prefill to fill the cache")
+                            "nsa_prefill fills the cache and appends several tokens to a non-empty one")
     if shapes.B != cache.batch:
         raise NSAInputError(f"q has batch {shapes.B}, the cache holds {cache.batch} sequences")
     if q.device != cache.device:
@@ -83,7 +83,7 @@ def step_stats(cache: NSACache, indices) -> dict:
     cfg = cache.config
     t = cache.cache_seqlens.long() - 1  # the step's positions
     Hkv = cache.n_kv_heads
-    per_tok = (cache.d_k + cache.d_v) * cache.k_sel.element_size()
+    per_tok = (cache.d_k + cache.d_v) * cache.dtype.itemsize
     n_cmp = n_cmp_blocks_dev(t + 1, cfg)
     idx = indices[:, 0].long()  # [B, Hkv, n]
     lo = idx.clamp(min=0) * cfg.block_sel
@@ -103,22 +103,28 @@ def step_stats(cache: NSACache, indices) -> dict:
 
 def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None, *, cu_seqlens=None, kv_cmp=None,
                 kv_win=None, compress_fn=None, backend="auto"):
-    """Prefill: outputs for the prompts (nsa_attention) and the empty cache filled with their K/V.
+    """Prefill: outputs for the prompts and the cache filled with their K/V (NSACache or PagedNSACache).
 
     Dense prompts q [B, T, Hq, Dk] (every sequence T tokens), or prompts of different lengths packed along
     T with cu_seqlens (int32 [batch + 1], B == 1: sequence b = tokens cu_seqlens[b]:cu_seqlens[b+1] goes to
     cache row b), the varlen convention of FlashAttention and serving engines. Returns [B, T, Hq, Dv].
+
+    Into an empty cache: nsa_attention on the prompts (its fast paths, `backend`), then the cache written.
+    Into a cache that already holds tokens (a prompt in chunks, a new sequence in a freed row beside
+    running ones, the k draft tokens of speculative decoding's verify step): each new token attends the
+    cached tokens and the new ones up to itself, equal to one prefill of the whole sequences; this runs
+    on the torch path (nsa.branches.decode.extend, telemetry reason "decode"), rows with no new tokens
+    stay as they are.
     """
     from .functional import nsa_attention
 
     cfg = config or cache.config
     if not isinstance(cache, NSACache):
-        raise NSAInputError(f"cache must be an nsa.NSACache, got {type(cache).__name__}")
+        raise NSAInputError(f"cache must be an nsa.NSACache or nsa.PagedNSACache, got {type(cache).__name__}")
     if cfg != cache.config:
         raise NSAInputError("config differs from the cache's config")
     if not cache.is_empty:
-        raise NSAInputError(f"nsa_prefill needs an empty cache, this one holds up to {cache.max_seqlen_bound} tokens "
-                            "per sequence (cache.reset() empties it)")
+        return _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn)
     if cu_seqlens is not None:
         cache._branch_inputs(k, v, kv_cmp, kv_win, batch=1)
         cache.check_cu_seqlens(cu_seqlens, k.shape[1])
@@ -128,5 +134,25 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
                         compress_fn=compress_fn, backend=backend)
     cache.write(k, v, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, cu_seqlens=cu_seqlens)
     return out
+
+def _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn):
+    """nsa_prefill into a non-empty cache (its doc): checks, then nsa.branches.decode.extend."""
+    from . import telemetry
+    from .branches.decode.extend import extend
+
+    packed = cu_seqlens is not None
+    shapes = check_qkv(q, k, v, gates)
+    if shapes.B != (1 if packed else cache.batch):
+        raise NSAInputError(f"q has batch {shapes.B}, the cache holds {cache.batch} sequences"
+                            + (" (packed input with cu_seqlens: batch 1)" if packed else ""))
+    if q.device != cache.device or q.dtype != cache.dtype:
+        raise NSAInputError(f"q is {q.dtype} on {q.device}, the cache holds {cache.dtype} on {cache.device}")
+    if cfg.compress == "mlp" and compress_fn is None:
+        raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v)")
+    for branch in ("cmp", "sel", "win"):
+        telemetry.record(branch, "torch", "decode", detail="tokens appended to a non-empty cache: torch path")
+    with torch.no_grad():
+        return extend(q, gates, cache, k, v, kv_cmp, kv_win, compress_fn, cu_seqlens)
+
 
 __all__ = ["DECODE_BACKENDS", "nsa_decode", "nsa_prefill", "plan_decode_backend", "step_stats"]

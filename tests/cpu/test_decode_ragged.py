@@ -15,7 +15,7 @@ import torch
 from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err
 from torch.overrides import TorchFunctionMode
 
-from nsa import NSAAttention, NSACache, NSAConfig, NSAInputError, nsa_decode, nsa_prefill, plan, telemetry
+from nsa import NSAAttention, NSACache, NSAConfig, NSAInputError, nsa_decode, plan, telemetry
 from nsa.branches.decode import naive as decode_naive
 
 CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_local=2, window=16)
@@ -196,8 +196,6 @@ def test_bad_step_options(gen, monkeypatch):
         with pytest.raises(NSAInputError, match=match):
             nsa_decode(q, k, v, g, cache, **kwargs)
         _same_state(cache, saved)
-    with pytest.raises(NSAInputError, match="empty cache"):
-        nsa_prefill(q, k, v, g, cache)
 
 
 def test_failure_after_the_append_leaves_the_cache_consistent(gen, monkeypatch):

@@ -64,13 +64,14 @@ def decode_step(q, gates, cache, tokens, compress_fn):
     sv = torch_step_view(q, cache)
     ct, n = sv.qc.dtype, sv.n_cmp
     valid = torch.ones(B, n, dtype=torch.bool, device=q.device)
-    k_cmp = cache.k_cmp[:, :n].to(ct)
+    k_cmp, v_cmp = cache.compressed_kv(n)
+    k_cmp = k_cmp.to(ct)
     cmp_start = sv.seq_start + sv.cmp_local
-    o_cmp, lse = compressed_chunk(sv.qc, k_cmp, cache.v_cmp[:, :n].to(ct), cmp_start, valid, sv.t_glob, sv.seq_start,
-                                  cfg, sv.scale)
+    o_cmp, lse = compressed_chunk(sv.qc, k_cmp, v_cmp.to(ct), cmp_start, valid, sv.t_glob, sv.seq_start, cfg, sv.scale)
     indices = topn_chunk(sv.qc, k_cmp, lse, cmp_start, sv.cmp_local, valid, sv.t_glob, sv.seq_start,
                          sv.n_sel_blocks, cfg, sv.scale)
-    o_sel = selected_chunk(sv.qc, cache.k_sel, cache.v_sel, indices, sv.pos, torch.zeros_like(sv.pos), cfg, sv.scale)
+    k_sel, v_sel, paging = cache.selected_kv()
+    o_sel = selected_chunk(sv.qc, k_sel, v_sel, indices, sv.pos, torch.zeros_like(sv.pos), cfg, sv.scale, **paging)
     o_win = sliding_chunk(sv.qc, cache.k_win.to(ct), cache.v_win.to(ct), sv.win_key_pos, sv.t_glob, sv.seq_start, cfg,
                           sv.scale)
     g = gates.to(ct)

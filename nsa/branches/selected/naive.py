@@ -132,10 +132,12 @@ def dedupe_indices(indices):
     return torch.where(s == big, torch.full_like(s, -1), s)
 
 
-def selected_chunk(q, k, v, indices, pos, seq_start, cfg: NSAConfig, scale):
+def selected_chunk(q, k, v, indices, pos, seq_start, cfg: NSAConfig, scale, *, block_table=None, page_size=None):
     """q [B,C,Hkv,G,Dk]; k/v [B,S,Hkv,D] indexed by global position; indices [B,C,Hkv,n] local block ids.
 
     Query at position pos attends the tokens u <= pos of its selected blocks (-1 entries are ignored).
+    Paged K/V (nsa.paged_cache): k/v are page pools [pages, page_size, Hkv, D] and position u of sequence
+    b lives in page block_table[b, u // page_size] at row u % page_size.
     """
     B, C, H, n = indices.shape
     ls = cfg.block_sel
@@ -147,6 +149,8 @@ def selected_chunk(q, k, v, indices, pos, seq_start, cfg: NSAConfig, scale):
     batch = torch.arange(B, device=q.device)[:, None, None, None]
     head = torch.arange(H, device=q.device)[None, None, :, None]
     # Gather in the storage dtype, then cast: only the selected tokens are converted.
+    if block_table is not None:  # masked tokens read position 0, whose page every non-empty sequence has
+        batch, tok = block_table.long()[batch, tok // page_size], tok % page_size
     kg, vg = k[batch, tok, head].to(q.dtype), v[batch, tok, head].to(q.dtype)
     return attend(q, kg, vg, keep.reshape(B, C, H, n * ls), scale)
 

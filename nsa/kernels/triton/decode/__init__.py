@@ -63,6 +63,17 @@ def _launch_opts(device, warps: int, ws=None, stages: str | None = None) -> dict
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": getattr(ws, stages)}
 
 
+def _storage(cache):
+    """(raw k, raw v, compressed k, compressed v, page arguments) of a contiguous or paged cache: the kernels
+    take the block table and its row stride, and PAGE / PAGED as constexprs (nsa.paged_cache for the layout)."""
+    if getattr(cache, "page_size", None) is None:
+        pages = {"args": (cache.cache_seqlens, 0), "meta": {"PAGE": 1, "PAGED": False}}  # table unused
+        return cache.k_sel, cache.v_sel, cache.k_cmp, cache.v_cmp, pages
+    bt = cache.block_table
+    pages = {"args": (bt, bt.stride(0)), "meta": {"PAGE": cache.page_size, "PAGED": True}}
+    return cache.k_pages, cache.v_pages, cache.k_cmp_pages, cache.v_cmp_pages, pages
+
+
 def workspace_for(cache, Hq: int, tuning: Tuning | None = None) -> DecodeWorkspace:
     tuning = tuning or TUNING
     return cache.workspace(("triton_decode", Hq, tuning), lambda: DecodeWorkspace(cache, Hq, tuning))
@@ -90,23 +101,24 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
     ieee = q.dtype == torch.float32
     NB, W = cache.cmp_capacity, cache.window_slots
     BH = B * Hkv
+    ksel, vsel, kcmp, vcmp, pages = _storage(cache)
     _append_kernel[(B, Hkv)](
         cache.cache_seqlens, ws.pos, k, v, kc, vc, kw, vw,
-        cache.k_sel, cache.v_sel, cache.k_win, cache.v_win, cache.k_raw_cmp, cache.v_raw_cmp, cache.k_cmp, cache.v_cmp,
+        ksel, vsel, cache.k_win, cache.v_win, cache.k_raw_cmp, cache.v_raw_cmp, kcmp, vcmp,
         k.stride(0), k.stride(2), v.stride(0), v.stride(2), kc.stride(0), kc.stride(2), vc.stride(0), vc.stride(2),
         kw.stride(0), kw.stride(2), vw.stride(0), vw.stride(2),
-        Hkv, Dk, Dv, cache.max_len, W, NB,
+        Hkv, Dk, Dv, cache.max_len, W, NB, *pages["args"],
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_L=ws.BLOCK_L, BLOCK_DK=ws.BLOCK_DK,
-        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **_launch_opts(device, 2),
+        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **pages["meta"], **_launch_opts(device, 2),
     )
     if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
         cache.compress_step(compress_fn)
     _cmp_win_kernel[(ws.grid_cmp, BH)](
-        q, ws.pos, cache.k_cmp, cache.v_cmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
+        q, ws.pos, kcmp, vcmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
-        ws.n_parts, qk_scale,
+        ws.n_parts, qk_scale, *pages["args"],
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
-        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee,
+        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **pages["meta"],
         **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp"),
     )
     _score_topk_kernel[(ws.n_chunks, BH)](
@@ -117,13 +129,13 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         SPLIT_PAD=ws.SPLIT_PAD, **_launch_opts(device, ws.tuning.warps_score),
     )
     _sel_kernel[(ws.grid_sel, BH)](
-        q, ws.pos, ws.cand, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,
+        q, ws.pos, ws.cand, ksel, vsel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,
         q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, W, ws.n_cand,
         ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.n_split_sel, ws.n_split_cmp, ws.slots_per_prog,
-        ws.slots_per_split, qk_scale,
+        ws.slots_per_split, qk_scale, *pages["args"],
         BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
         NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
-        IEEE=ieee, **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel"),
+        IEEE=ieee, **pages["meta"], **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel"),
     )
     _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
         ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,

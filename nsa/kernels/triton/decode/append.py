@@ -7,14 +7,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .parts import _cmp_row, _token_row
+
 
 @triton.jit
 def _append_kernel(
     SEQ, POS, KN, VN, KCN, VCN, KWN, VWN, KSEL, VSEL, KWIN, VWIN, KRAW, VRAW, KCMP, VCMP,
     skn_b, skn_h, svn_b, svn_h, skc_b, skc_h, svc_b, svc_h, skw_b, skw_h, svw_b, svw_h,
-    Hkv, Dk, Dv, max_len, W, NB,
+    Hkv, Dk, Dv, max_len, W, NB, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, AVG: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, AVG: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -31,8 +33,9 @@ def _append_kernel(
     vc = tl.load(VCN + b * svc_b + h * svc_h + rdv, mask=mv)
     kw = tl.load(KWN + b * skw_b + h * skw_h + rdk, mask=mk)
     vw = tl.load(VWN + b * svw_b + h * svw_h + rdv, mask=mv)
-    tl.store(KSEL + ((b * max_len + t) * Hkv + h) * Dk + rdk, k, mask=mk)
-    tl.store(VSEL + ((b * max_len + t) * Hkv + h) * Dv + rdv, v, mask=mv)
+    srow = _token_row(BT, sbt, b, t, h, Hkv, max_len, True, PAGE, PAGED)
+    tl.store(KSEL + srow * Dk + rdk, k, mask=mk)
+    tl.store(VSEL + srow * Dv + rdv, v, mask=mv)
     sw = t % W
     tl.store(KWIN + ((b * W + sw) * Hkv + h) * Dk + rdk, kw, mask=mk)
     tl.store(VWIN + ((b * W + sw) * Hkv + h) * Dv + rdv, vw, mask=mv)
@@ -55,5 +58,6 @@ def _append_kernel(
                 vr = tl.where((rl == sc)[:, None], vc.to(tl.float32)[None, :], vr)
                 km = tl.sum(kr, 0) / BLOCK_CMP
                 vm = tl.sum(vr, 0) / BLOCK_CMP
-                tl.store(KCMP + ((b * NB + i) * Hkv + h) * Dk + rdk, km.to(KCMP.dtype.element_ty), mask=mk)
-                tl.store(VCMP + ((b * NB + i) * Hkv + h) * Dv + rdv, vm.to(VCMP.dtype.element_ty), mask=mv)
+                crow = _cmp_row(BT, sbt, b, i, h, Hkv, NB, True, STRIDE_CMP, PAGE, PAGED)
+                tl.store(KCMP + crow * Dk + rdk, km.to(KCMP.dtype.element_ty), mask=mk)
+                tl.store(VCMP + crow * Dv + rdv, vm.to(VCMP.dtype.element_ty), mask=mv)

@@ -7,15 +7,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _attend_tile, _store_partial, _window_partial
+from .parts import _attend_tile, _cmp_row, _store_partial, _window_partial
 
 
 @triton.jit
 def _cmp_win_kernel(
     Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC,
-    sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale,
+    sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -41,7 +41,7 @@ def _cmp_win_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             idx = n0 + rn
             ok = idx < hi
-            row = (b * NB + idx) * Hkv + h
+            row = _cmp_row(BT, sbt, b, idx, h, Hkv, NB, ok, STRIDE_CMP, PAGE, PAGED)
             s, m_i, l_i, acc = _attend_tile(
                 q, KCMP + row[:, None] * Dk + rdk[None, :], VCMP + row[:, None] * Dv + rdv[None, :],
                 ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)

@@ -88,3 +88,27 @@ def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, m_p, l_p, a_p, rg, rdv, dv_o
         m_p, l_p, a_p = _load_parts(PM, PL, PACC, bh, n_parts, c0, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV, CHUNK)
         m, lsum, acc = _fold_parts(m, lsum, acc, m_p, l_p, a_p)
     return acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+
+
+@triton.jit
+def _token_row(BT, sbt, b, u, h, Hkv, max_len, mask, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Row of raw K/V (in units of D) holding position u (scalar or vector) of sequence b, KV head h: contiguous
+    [B, max_len, Hkv, D], or paged [pages, PAGE, Hkv, D] through the block table BT (row stride sbt); int64.
+    Masked positions (past the length: their page may not exist) read no table entry and give row 0."""
+    if PAGED:
+        page = tl.load(BT + b * sbt + u // PAGE, mask=mask, other=0).to(tl.int64)
+        return (page * PAGE + u % PAGE) * Hkv + h
+    else:
+        return (b * max_len + u) * Hkv + h
+
+
+@triton.jit
+def _cmp_row(BT, sbt, b, i, h, Hkv, NB, mask, STRIDE_CMP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Row of the compressed K/V holding block i of sequence b, KV head h: contiguous [B, NB, Hkv, D], or paged
+    [pages, PAGE // STRIDE_CMP, Hkv, D] (block i lives in the page of its first token, i * STRIDE_CMP); int64."""
+    if PAGED:
+        start = i * STRIDE_CMP
+        page = tl.load(BT + b * sbt + start // PAGE, mask=mask, other=0).to(tl.int64)
+        return (page * (PAGE // STRIDE_CMP) + (start % PAGE) // STRIDE_CMP) * Hkv + h
+    else:
+        return (b * NB + i) * Hkv + h

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _attend_tile, _store_partial, _window_partial
+from .parts import _attend_tile, _store_partial, _token_row, _window_partial
 
 
 @triton.jit
@@ -43,10 +43,10 @@ def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.c
 def _sel_kernel(
     Q, POS, CAND, KSEL, VSEL, KWIN, VWIN, IDX, PM, PL, PACC,
     sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, W, n_cand, n_parts, part0, n_split_sel, n_split_cmp,
-    slots_per_prog, slots_per_split, qk_scale,
+    slots_per_prog, slots_per_split, qk_scale, BT, sbt,
     BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -85,7 +85,7 @@ def _sel_kernel(
                 for c in range(0, BLOCK_SEL, BLOCK_N):
                     u = jb * BLOCK_SEL + c + rn
                     ok = (c + rn < BLOCK_SEL) & (u <= t)
-                    row = (b * max_len + u) * Hkv + h
+                    row = _token_row(BT, sbt, b, u, h, Hkv, max_len, ok, PAGE, PAGED)
                     _, m_i, l_i, acc = _attend_tile(
                         q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
                         ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale,

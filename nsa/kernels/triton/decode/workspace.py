@@ -143,7 +143,7 @@ class DecodeWorkspace:
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
         if on_gpu(device):
-            smem, elem, low = _max_shared_mem(device), cache.k_sel.element_size(), cache.dtype != torch.float32
+            smem, elem, low = _max_shared_mem(device), cache.dtype.itemsize, cache.dtype != torch.float32
             kv_row, q_bytes = (self.BLOCK_DK + self.BLOCK_DV) * elem, self.BLOCK_G * self.BLOCK_DK * elem
             # 2 stages: three programs fit an SM (3 stages left room for one, and measured 15% slower)
             self.stages_cmp = tuning.stages_cmp or min(2, _stages(self.BLOCK_N * kv_row, smem, low, q_bytes))

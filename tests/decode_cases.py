@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa import NSACache, NSAConfig, nsa_attention, nsa_decode, nsa_prefill
+from nsa import NSACache, NSAConfig, PagedNSACache, nsa_attention, nsa_decode, nsa_prefill
 
 
 @dataclass
@@ -78,14 +78,16 @@ def decode_rows(case: RaggedCase) -> list[torch.Tensor]:
             for s in range(case.steps)]
 
 
-def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backend: str | None = "torch") -> NSACache:
+def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backend: str | None = "torch",
+                  cache: NSACache | None = None) -> NSACache:
     """A cache holding every sequence's prompt, filled by one packed nsa_prefill (prefill_backend=None: by
-    NSACache.write alone, without computing the prompts' attention)."""
+    NSACache.write alone, without computing the prompts' attention). cache: an empty one to fill."""
     f = case.full
     q = f["q"]
     Hkv, Dk, Dv = f["k"].shape[2], f["k"].shape[3], f["v"].shape[3]
     max_len = max_len or max(case.lengths) + case.steps
-    cache = NSACache(case.cfg, case.batch, max_len, Hkv, Dk, Dv, device=q.device, dtype=q.dtype)
+    if cache is None:
+        cache = NSACache(case.cfg, case.batch, max_len, Hkv, Dk, Dv, device=q.device, dtype=q.dtype)
     rows = torch.cat([torch.arange(a, a + L) for a, L in zip(case.cu_full, case.lengths)]).to(q.device)
     cu = [0]
     for L in case.lengths:
@@ -101,6 +103,22 @@ def prefill_cache(case: RaggedCase, *, max_len: int | None = None, prefill_backe
         nsa_prefill(take(q), take(f["k"]), take(f["v"]), take(f["g"]), cache, cu_seqlens=cu_t,
                     backend=prefill_backend, compress_fn=case.compress_fn, **case.branch_kv(take))
     return cache
+
+
+def prefill_paged_cache(case: RaggedCase, page_size: int, *, num_pages: int | None = None, seed: int = 0,
+                        prefill_backend: str | None = "torch") -> PagedNSACache:
+    """prefill_cache on a PagedNSACache whose free list is shuffled (seed): each sequence's pages lie anywhere
+    in the pool, in any order. Room for the prompts and the decoded tokens, plus spare pages."""
+    f = case.full
+    q = f["q"]
+    Hkv, Dk, Dv = f["k"].shape[2], f["k"].shape[3], f["v"].shape[3]
+    per_seq = -(-(max(case.lengths) + case.steps) // page_size)
+    num_pages = num_pages or per_seq * case.batch + 3
+    cache = PagedNSACache(case.cfg, case.batch, num_pages, page_size, per_seq, Hkv, Dk, Dv, device=q.device,
+                          dtype=q.dtype)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    cache._free = order  # the allocator pops from the end: pages come out of order
+    return prefill_cache(case, cache=cache, prefill_backend=prefill_backend)
 
 
 def decode_all(case: RaggedCase, cache: NSACache, backend: str, *, step_hook=None):

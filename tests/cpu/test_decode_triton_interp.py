@@ -26,12 +26,22 @@ from .interp import kernel_modules
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err  # noqa: E402
+from decode_cases import (  # noqa: E402
+    all_events,
+    decode_all,
+    decode_rows,
+    expected,
+    make_case,
+    prefill_cache,
+    prefill_paged_cache,
+    rel_err,
+)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from nsa import (  # noqa: E402
     NSAConfig,
     nsa_decode,
+    nsa_prefill,
     nsa_reference,
     plan,  # noqa: E402
     telemetry,
@@ -262,3 +272,49 @@ def test_candidate_merge_takes_the_forced_blocks_and_the_best_keys(n_sel, n_init
         _merge_probe[(1,)](cand, out, t, cand.numel(), BLOCK_SEL=block_sel, N_INIT=n_init, N_LOCAL=n_local,
                            N_SEL=n_sel, N_PAD=n_pad, NC_PAD=1 << (cand.numel() - 1).bit_length())
         assert out.tolist() == want, (t, out.tolist(), want)
+
+
+def test_kernels_on_the_paged_cache(gen):
+    """Paged cache (nsa.PagedNSACache), pages of 4 tokens (a selection block spans two) in shuffled order:
+    blocks identical to the contiguous cache's kernels and to prefill, outputs to 1e-5; a freed row's pages
+    go to the next sequence, whose steps on the kernels equal its prefill. (Pages of 8: the next test.)"""
+    page_size = 4
+    case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
+    want, want_idx = expected(case)
+    c_out, c_idx = decode_all(case, prefill_cache(case), "triton")
+    cache = prefill_paged_cache(case, page_size, seed=page_size)
+    got, idx = decode_all(case, cache, "triton")
+    assert torch.equal(idx, c_idx) and torch.equal(idx, want_idx)
+    assert rel_err(got, c_out) <= 1e-5 and rel_err(got, want) <= 1e-5
+    assert cache.cache_seqlens.tolist() == cache.host_seqlens() == [L + 5 for L in case.lengths]
+    assert EVENTS <= all_events(case, cache)
+    assert telemetry.served("sel")["triton_decode"] >= 10
+    # row 2 ends; a new sequence (prompt 9) takes its pages, the others go on
+    freed = cache.pages_of(2)
+    cache.free(2)
+    new = make_case(gen, CFG, [9], 4, 4, 2, 16, 24, dtype=torch.float32)
+    f = new.full
+    cu = torch.tensor([0, 0, 0, 9], dtype=torch.int32)
+    nsa_prefill(*(f[n][:, :9] for n in ("q", "k", "v", "g")), cache, cu_seqlens=cu)
+    assert cache.pages_of(2) == freed[:len(cache.pages_of(2))]
+    want_new, want_new_idx = expected(new)
+    for s in range(4):
+        q, k, v = (torch.randn(3, 1, h, d, generator=gen) for h, d in ((4, 16), (2, 16), (2, 24)))
+        gg = torch.rand(3, 1, 4, 3, generator=gen)
+        for x, n in ((q, "q"), (k, "k"), (v, "v"), (gg, "g")):
+            x[2, 0] = f[n][0, 9 + s]
+        o, i = nsa_decode(q, k, v, gg, cache, backend="triton", return_indices=True)
+        assert torch.equal(i[2, 0], want_new_idx[0, s])
+        assert rel_err(o[2, 0], want_new[0, s]) <= 1e-5
+
+
+def test_kernels_paged_fp16_mlp_and_branch_kv(gen):
+    cfg = CFG.with_(compress="mlp", window=12)
+    w = torch.randn(cfg.block_cmp, generator=gen)
+    phi = (lambda x: torch.einsum("nlhd,l->nhd", x, w.to(x.dtype)),
+           lambda x: torch.einsum("nlhd,l->nhd", x, w.to(x.dtype)).cos())
+    case = make_case(gen, cfg, [6, 19], 4, 4, 2, 16, 16, dtype=torch.float16, branch_kv=True, compress_fn=phi)
+    c_out, c_idx = decode_all(case, prefill_cache(case), "triton")
+    got, idx = decode_all(case, prefill_paged_cache(case, 8, seed=5), "triton")
+    assert torch.equal(idx, c_idx)
+    assert rel_err(got, c_out) <= 2e-3

@@ -5,7 +5,9 @@
 
 B in {1, 3, 8}, cache lengths S in {1, l-1, l, 4097} (l = block_cmp) and ragged lengths (empty sequences,
 lengths on both sides of l and of a selection block), a cache filled to exactly max_len by the last step,
-fp32 and bf16, Dk != Dv, G = 1 / 4 / 16. Each step is compared with the torch step on the same state
+fp32 and bf16, Dk != Dv, G = 1 / 4 / 16; the ragged cases also on a paged cache (nsa.PagedNSACache, pages
+of 16 and 64 tokens in shuffled order, lengths on both sides of a page boundary, a pool with no spare page
+beyond the last step's). Each step is compared with the torch step on the same state
 (blocks; outputs loosely, the point here is memory safety). Exit 0 when every step was finite and close;
 the sanitizer reports memory errors itself. NSA_SWEEP_DEVICE=cpu with TRITON_INTERPRET=1 runs it in Triton's
 interpreter (to check the script on a machine without a GPU; slow; fp16 there instead of bf16, whose tl.dot the
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: decode_cases
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the checkout: nsa
 
-from decode_cases import decode_rows, make_case, prefill_cache  # noqa: E402
+from decode_cases import decode_rows, make_case, prefill_cache, prefill_paged_cache  # noqa: E402
 
 from nsa import NSAConfig, nsa_decode  # noqa: E402
 
@@ -35,23 +37,36 @@ DEVICE = os.environ.get("NSA_SWEEP_DEVICE", "cuda")
 SHAPES = [(4, 4, 64, 64), (8, 2, 128, 64), (16, 1, 64, 128)]  # (Hq, Hkv, Dk, Dv): G = 1, 4, 16
 
 
+PAGE_SIZES = (16, 64)  # 16 = d < l < l': a compressed block spans two pages; 64 = l': one selection block
+
+
 def cases():
+    """(B, lengths, page size or None: the contiguous cache)."""
     for B in (1, 3, 8):
         for S in (1, L - 1, L, 4097):
-            yield B, [S] * B
+            yield B, [S] * B, None
         if B in RAGGED:
-            yield B, RAGGED[B]
+            yield B, RAGGED[B], None
+            for page in PAGE_SIZES:
+                yield B, RAGGED[B], page
+
+
+def fast_cache(case, page):
+    if page is None:
+        return prefill_cache(case, prefill_backend=None)
+    pages = sum(-(-(x + STEPS) // page) for x in case.lengths)  # exactly the pages the last step needs
+    return prefill_paged_cache(case, page, num_pages=pages, seed=page, prefill_backend=None)
 
 
 def main() -> int:
     gen = torch.Generator().manual_seed(0)
     bad = 0
     n = 0
-    for (B, lengths), (Hq, Hkv, Dk, Dv) in zip(cases(), SHAPES * 10):
+    for (B, lengths, page), (Hq, Hkv, Dk, Dv) in zip(cases(), SHAPES * 10):
         for dtype in (torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16):
             case = make_case(gen, CFG, lengths, STEPS, Hq, Hkv, Dk, Dv, dtype=dtype, device=DEVICE)
             # max_len = longest + STEPS: the last step fills the cache exactly; filled without prefill attention
-            fast = prefill_cache(case, prefill_backend=None)
+            fast = fast_cache(case, page)
             ref = prefill_cache(case, prefill_backend=None)
             f = case.full
             for s, row in enumerate(decode_rows(case)):
@@ -68,8 +83,8 @@ def main() -> int:
                 ok = bool(torch.isfinite(o.float()).all()) and close
                 if not ok:
                     bad += 1
-                    print(f"MISMATCH B={B} lengths={lengths} heads={Hq}/{Hkv} D={Dk}/{Dv} {dtype} step {s}: "
-                          f"rel err {err:.2e}, rows with equal blocks {same:.2f}")
+                    print(f"MISMATCH B={B} lengths={lengths} page={page} heads={Hq}/{Hkv} D={Dk}/{Dv} {dtype} "
+                          f"step {s}: rel err {err:.2e}, rows with equal blocks {same:.2f}")
             assert fast.cache_seqlens.tolist() == [x + STEPS for x in lengths]
     print(f"decode edge sweep: {n} steps, {bad} mismatches")
     return 1 if bad else 0

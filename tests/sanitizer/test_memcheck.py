@@ -39,7 +39,7 @@ SWEEPS = {
     "nsa": Sweep("nsa_edge_sweep.py", 280, no_caching_allocator=False, warm_up=False),
     "fa2": Sweep("fa2_edge_sweep.py", 150, warm_up=False),
     "triton_sel": Sweep("triton_sel_edge_sweep.py", 110, warm_up=False),
-    "decode": Sweep("decode_edge_sweep.py", 150),
+    "decode": Sweep("decode_edge_sweep.py", 200),
 }
 
 

@@ -34,6 +34,13 @@ Fill mode (--preset paper|small|all, or --sweep, or --smoke):
   both presets, S in 4k..128k, B in 1, 8, 32, plus ragged batches (B=8, lengths spread evenly over
   [S/8, S]) at S = 16k and 64k.
 
+  --paged (--page-size N, default 64): every cell also on a paged cache (nsa.PagedNSACache, pages handed
+  out in shuffled order, as a serving engine's pool ends up), the row after the contiguous one; its dense
+  and fa_kvcache columns stay empty (the contiguous row beside it has them). The serving rows:
+
+    python bench/bench_decode.py --preset paper --S_list 8192,65536,131072 --B_list 1,8,32 --paged \
+        --page-size 64 --csv decode_paged.csv
+
 Columns (ms are medians over --repeats batches of --inner back-to-back steps; the device state is put back
 between batches, untimed):
   step_eager_ms   one nsa_decode step (backend --backend, default auto) called from Python
@@ -70,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nsa import NSAAttention, NSACache, NSAConfig, nsa_decode, telemetry  # noqa: E402
+from nsa import NSAAttention, NSACache, NSAConfig, PagedNSACache, nsa_decode, telemetry  # noqa: E402
 from nsa.benchutil import (  # noqa: E402
     console,
     device_name,
@@ -108,7 +115,7 @@ COLUMNS = [
     "dense_ms", "dense_eager_ms", "dense_graph_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
     "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
     "target_programs", "splits", "run_steps", "run_prefill_ms", "run_decode_ms", "run_tok_per_s",
-    "decode_tok_per_s", "run_finite",
+    "decode_tok_per_s", "run_finite", "cache", "page_size",
 ]
 # --config FILE: (section, key) -> argument. configs/base.yaml has every key.
 CONFIG_KEYS = {
@@ -180,6 +187,8 @@ def parse_args(argv=None):
     p.add_argument("--inner", type=int, default=20, help="back-to-back steps per timed batch")
     p.add_argument("--repeats", type=int, default=5, help="timed batches per figure (median)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    p.add_argument("--paged", action="store_true", help="fill mode: every cell also on a paged cache")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page of --paged (a power of two)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the torch step")
     p.add_argument("--max-seconds", type=float, default=None, help="stop starting new rows after this long")
     p.add_argument("--tune", default=None, help="fill mode, CUDA: also measure the held-to cells with these "
@@ -194,6 +203,10 @@ def parse_args(argv=None):
         p.error("--steps must be >= 0")
     if args.steps and args.fill:
         p.error("--steps applies to layer mode (not with --preset, --sweep or --smoke)")
+    if args.paged and not args.fill:
+        p.error("--paged applies to fill mode (--preset, --sweep or --smoke)")
+    if args.page_size < 1 or args.page_size & (args.page_size - 1):
+        p.error(f"--page-size must be a power of two, got {args.page_size}")
 
     def ints(text, name):
         try:
@@ -414,23 +427,37 @@ def split_plan(cache, Hq: int) -> tuple:
     return (ws.target_programs, ws.describe()) if ws is not None else (None, None)
 
 
-def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype, target=None) -> dict:
+def fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype, target=None, page=None) -> dict:
     with decode_tuning(target):
-        return _fill_row(preset, S, B, lengths, args, device, dtype)
+        return _fill_row(preset, S, B, lengths, args, device, dtype, page)
 
 
-def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype) -> dict:
+def new_cache(cfg, B: int, lengths: list[int], room: int, Hkv, Dk, Dv, device, dtype, page, seed: int):
+    """The contiguous cache of a cell, or (page: tokens per page) a paged one with its pages in shuffled order."""
+    if page is None:
+        return NSACache(cfg, B, max(lengths) + room, Hkv, Dk, Dv, device=device, dtype=dtype)
+    per_seq = -(-(max(lengths) + room) // page)
+    num_pages = sum(-(-(n + room) // page) for n in lengths)
+    cache = PagedNSACache(cfg, B, num_pages, page, per_seq, Hkv, Dk, Dv, device=device, dtype=dtype)
+    cache._free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    return cache
+
+
+def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dtype, page=None) -> dict:
     shp = PRESETS[preset]
     cfg = NSAConfig(block_cmp=shp["l"], stride_cmp=shp["d"], block_sel=shp["l_sel"], n_sel=shp["n_sel"],
                     window=shp["w"])
     Hq, Hkv, Dk, Dv = shp["heads"], shp["groups"], shp["dk"], shp["dv"]
     ragged = len(set(lengths)) > 1
     row = {"preset": preset, "S": S, "B": B, "ragged": f"{min(lengths)}-{max(lengths)}" if ragged else "",
-           **{k: v for k, v in shp.items()}, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+           **{k: v for k, v in shp.items()}, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+           "cache": "contiguous" if page is None else "paged", "page_size": page}
     gen = torch.Generator(device=device).manual_seed(args.seed)
     room = args.inner + 8
-    cache = NSACache(cfg, B, max(lengths) + room, Hkv, Dk, Dv, device=device, dtype=dtype)
+    cache = new_cache(cfg, B, lengths, room, Hkv, Dk, Dv, device, dtype, page, args.seed)
     fill_cache(cache, lengths, gen, chunk=8192)
+    if page is not None:
+        cache.reserve(room)  # every page the timed steps touch, before the CUDA graph is captured
     q, k, v, g = step_inputs(gen, B, Hq, Hkv, Dk, Dv, device, dtype)
     seqlens0, host0 = cache.cache_seqlens.clone(), cache.host_state()
 
@@ -456,7 +483,7 @@ def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dty
         row["cmp_blocks"] = stats["cmp_blocks"] if not ragged else max(stats["cmp_blocks"])
         for key in ("kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win"):
             row[key] = stats[key]
-        elem = cache.k_sel.element_size()
+        elem = cache.dtype.itemsize
         row["dense_kv_bytes"] = B * Hkv * (max(lengths) + 1) * (Dk + Dv) * elem
         row["kv_bytes_ratio"] = row["kv_bytes"] / row["dense_kv_bytes"]
         row["tbps"] = row["kv_bytes"] / (row["step_ms"] * 1e-3) / 1e12
@@ -465,6 +492,8 @@ def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dty
         if not args.no_check:
             row["check_rel_err"], row["check_idx_agree"] = check_against_torch(cache, q, k, v, g, restore,
                                                                                args.backend)
+        if page is not None:  # the baselines read contiguous K/V: the contiguous row of this cell has them
+            return row
         dense, dense_name = dense_step_fn(cache, q, k, v, max(lengths), cfg.softmax_scale(Dk), device)
         d_eager, d_graph = eager_and_graph(dense, lambda: None, device, args)
         row["dense_eager_ms"], row["dense_graph_ms"] = d_eager, d_graph
@@ -495,11 +524,13 @@ def fill_cells(args):
             B = 8 if not args.smoke else 3
             cells.append((preset, S, B, [max(1, round(S * (i + 1) / B)) for i in range(B)]))
     first = [c for key in FIRST for c in cells if c[:3] == key and len(set(c[3])) == 1]
-    cells = [c + (None,) for c in first + [c for c in cells if c not in first]]
+    cells = [c + (None, None) for c in first + [c for c in cells if c not in first]]
     if args.tune_ and args.device_.type == "cuda":
         sms = torch.cuda.get_device_properties(args.device_).multi_processor_count
-        tuned = [c[:4] + (int(f * sms),) for c in cells[:len(first)] for f in args.tune_]
+        tuned = [c[:4] + (int(f * sms), None) for c in cells[:len(first)] for f in args.tune_]
         cells = cells[:len(first)] + tuned + cells[len(first):]
+    if args.paged:  # each untuned cell, then the same on the paged cache
+        cells = [x for c in cells for x in ([c, c[:5] + (args.page_size,)] if c[4] is None else [c])]
     return cells
 
 
@@ -650,9 +681,10 @@ def main(argv=None) -> int:
     con = console()
     args.device_ = device
     if args.fill:
-        cells = [(f"{p} S={S} B={B}{' ragged' if len(set(L)) > 1 else ''}{f' target={t}' if t else ''}",
-                  lambda p=p, S=S, B=B, L=L, t=t: fill_row(p, S, B, L, args, device, dtype, t))
-                 for p, S, B, L, t in fill_cells(args)]
+        cells = [(f"{p} S={S} B={B}{' ragged' if len(set(L)) > 1 else ''}{f' target={t}' if t else ''}"
+                  f"{f' paged {pg}' if pg else ''}",
+                  lambda p=p, S=S, B=B, L=L, t=t, pg=pg: fill_row(p, S, B, L, args, device, dtype, t, pg))
+                 for p, S, B, L, t, pg in fill_cells(args)]
     else:
         cells = [(f"S={S}", lambda S=S: layer_row(S, args, device, dtype)) for S in args.S]
     rows, t0, skipped = [], time.perf_counter(), []
@@ -688,10 +720,12 @@ def main(argv=None) -> int:
     title = f"NSA decode ({device_name(device)}, {rows[0]['dtype']}"
     if args.fill:
         print_table(title + ")",
-                    ["preset", "S", "B", "ragged", "step ms", "eager ms", "KV read", "TB/s", "dense ms", "x dense",
-                     "fa_kvcache", "check"],
-                    [[r["preset"], r["S"], r["B"], r["ragged"] or "-", f(r["step_ms"]), f(r["step_eager_ms"]),
-                      fmt_bytes(r["kv_bytes"]), f(r["tbps"], 2), f(r["dense_ms"]), f(r["speedup_vs_dense"], 2),
+                    ["preset", "S", "B", "ragged", "cache", "step ms", "eager ms", "KV read", "TB/s", "dense ms",
+                     "x dense", "fa_kvcache", "check"],
+                    [[r["preset"], r["S"], r["B"], r["ragged"] or "-",
+                      r["cache"] + (f" {r['page_size']}" if r["page_size"] else ""), f(r["step_ms"]),
+                      f(r["step_eager_ms"]), fmt_bytes(r["kv_bytes"]), f(r["tbps"], 2), f(r.get("dense_ms")),
+                      f(r.get("speedup_vs_dense"), 2),
                       f(r.get("fa_kvcache_ms")), f(r.get("check_rel_err"), 4)] for r in rows], con)
     else:
         print_table(title + f", B={args.B}, Hq={args.heads}, Hkv={args.groups}, dk={args.dk}, dv={args.dv}, "

@@ -131,6 +131,25 @@ def test_bench_decode_smoke_fill_mode(tmp_path):
     assert int(rows[1]["dense_kv_bytes"]) == 2 * per_tok * 71
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["meta"]["torch"] == torch.__version__ and len(side["rows"]) == 5
+    assert {r["cache"] for r in rows} == {"contiguous"}
+
+
+def test_bench_decode_paged_rows(tmp_path):
+    """--paged: each cell on the contiguous cache, then on a paged one (pages of --page-size): the same bytes
+    read, the paged step checked against the torch step; no dense baseline on the paged rows."""
+    dec = _load("bench_decode")
+    out = tmp_path / "paged.csv"
+    assert dec.main(["--smoke", "--S_list", "70", "--B_list", "3", "--ragged_S", "70", "--paged", "--page-size", "8",
+                     "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["cache"], r["page_size"], r["ragged"]) for r in rows] == [
+        ("contiguous", "", ""), ("paged", "8", ""), ("contiguous", "", "23-70"), ("paged", "8", "23-70")]
+    for contiguous, paged in (rows[0:2], rows[2:4]):
+        assert paged["kv_bytes"] == contiguous["kv_bytes"] and float(paged["tbps"]) > 0
+        assert float(paged["check_rel_err"]) == 0 and float(paged["check_idx_agree"]) == 1
+        assert paged["dense_ms"] == "" and float(contiguous["dense_ms"]) > 0
+    with pytest.raises(SystemExit):
+        dec.main(["--smoke", "--paged", "--page-size", "6"])
 
 
 def test_bench_prefill_tiny(tmp_path):

@@ -124,7 +124,9 @@ class NSAAttention(nn.Module):
 
         Prefill of prompts of different lengths: x [1, total, dim] packed with cu_seqlens (int32
         [batch + 1]) into an empty cache of that batch; decode then takes x [batch, T, dim], each sequence
-        at its own position (cache.cache_seqlens). `backend` (else the module's) routes the prefill; decode
+        at its own position (cache.cache_seqlens). Packed input into a cache that holds tokens appends
+        cu_seqlens[b+1] - cu_seqlens[b] tokens to row b (a prompt for a freed row of a paged cache, a chunk
+        of a prompt): nsa_prefill's append. `backend` (else the module's) routes the prefill; decode
         uses it too unless the module has a `decode_backend` (decode takes "auto", "torch", "triton").
         cp_group (else the module's): x is this rank's slice of a sequence split over the group's ranks
         (training and prefill without a cache; docs/context-parallel.md).
@@ -143,10 +145,12 @@ class NSAAttention(nn.Module):
                 return cp_forward(self, x, cp_group, cu_seqlens=cu_seqlens, backend=backend or self.backend)
         B, T, _ = x.shape
         decoding = cache is not None and not cache.is_empty
-        if decoding and cu_seqlens is not None:
-            raise NSAInputError("cu_seqlens packs prompts for a prefill into an empty cache; decode takes x "
-                                "[batch, T, dim], one row per cached sequence")
-        if decoding:
+        appending = decoding and cu_seqlens is not None  # packed new tokens per row, appended (nsa_prefill)
+        if appending:
+            positions = self._positions(B, T, cu_seqlens, x.device)
+            seq = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(T, device=x.device), right=True)
+            positions = positions + cache.cache_seqlens.long()[seq.clamp(max=cache.batch - 1)][None]
+        elif decoding:
             positions = cache.cache_seqlens.long()[:, None] + torch.arange(T, device=x.device)
         else:
             positions = self._positions(B, T, cu_seqlens, x.device)
@@ -157,7 +161,7 @@ class NSAAttention(nn.Module):
         if cache is None:
             out = nsa_attention(q, k, v, gates, self.config, cu_seqlens=cu_seqlens, backend=prefill_backend,
                                 **branch_kv)
-        elif not decoding:
+        elif not decoding or appending:
             out = nsa_prefill(q, k, v, gates, cache, cu_seqlens=cu_seqlens, backend=prefill_backend, **branch_kv)
         else:
             step_backend = backend or self.decode_backend or self.backend

@@ -183,3 +183,20 @@ def test_reserve_takes_pages_ahead_and_decode_then_takes_none(gen):
     got, idx = decode_all(case, cache, "torch")
     assert [cache.pages_of(b) for b in range(2)] == tables and cache.free_pages == free
     assert torch.equal(idx, want_idx) and rel_err(got, want) <= 1e-12
+
+
+def test_serve_paged_example(capsys):
+    """examples/serve_paged.py: continuous batching of 3 requests on 2 rows (a finished request's pages go to
+    the next one) equals generating each request alone."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_paged.py"
+    spec = importlib.util.spec_from_file_location("serve_paged", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--requests", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "every request equals its generation alone" in text
+    reused = int(text.split(" pages reused")[0].rsplit(" ", 1)[1])
+    assert reused > 0

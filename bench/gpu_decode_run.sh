@@ -2,19 +2,19 @@
 # The GPU run of the fast decode step (Triton decode kernels, ragged cache, CUDA graphs). From the repo root
 # on the GPU machine:
 #     OUT=/some/dir bash bench/gpu_decode_run.sh
-# Writes to $OUT: env.json, nvidia-smi.txt; pytest_decode.log + junit_decode.xml (GPU decode tests, mostly
-# Triton compiles, <= 240 s); sanitizer.log (compute-sanitizer memcheck over tests/sanitizer/decode_edge_sweep.py,
+# Writes to $OUT: env.json, nvidia-smi.txt; pytest_decode.log + junit_decode.xml (GPU decode tests, contiguous
+# and paged cache, mostly Triton compiles, <= 300 s); sanitizer.log (compute-sanitizer memcheck over tests/sanitizer/decode_edge_sweep.py,
 # after one plain run that fills Triton's cache, <= 350 s); bench/decode_sweep.{csv,json} + bench.log
 # (bench_decode.py --sweep: no new row after 140 s, the held-to cells first, <= 200 s); summary.txt (results
-# and the figures the step is held to). About 7 minutes typically, 12 at most. Exit status: non-zero when any
+# and the figures the step is held to). About 8 minutes typically, 13 at most. Exit status: non-zero when any
 # part failed; every part runs regardless.
 set -uo pipefail
 # shellcheck source=bench/gpu_run_common.sh
 source "$(dirname "$0")/gpu_run_common.sh"
 
 echo "== GPU tests (decode) =="
-timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
-    tests/gpu/test_decode_fast_gpu.py tests/gpu/test_decode_gpu.py \
+timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
+    tests/gpu/test_decode_fast_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_paged_decode_gpu.py \
     --junitxml="$OUT/junit_decode.xml" 2>&1 | tee "$OUT/pytest_decode.log"
 tests_rc=${PIPESTATUS[0]}; [ "$tests_rc" -eq 0 ] || rc=1
 

@@ -141,6 +141,16 @@ def is_normal(reason: str) -> bool:
     return reason in NORMAL_REASONS or reason.startswith("forced")
 
 
+# Decisions whose every reason is normal: the "core" step of a fused call says whether its steps ran as one
+# autograd node (nsa.run.dense_core) and, when not, why (packed input, head dims padded, NSA_DENSE_CORE=0,
+# ...). The same kernels run either way, and a step that fell back is counted on that step.
+NEVER_FALLBACK = ("core",)
+
+
+def is_fallback(branch: str, reason: str) -> bool:
+    return branch not in NEVER_FALLBACK and not is_normal(reason)
+
+
 def snapshot() -> dict:
     """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n,
     "events": [{"branch", "backend", "event", "calls"}...], "timings": {bucket: {"calls", "total_ms"}}}."""
@@ -149,7 +159,7 @@ def snapshot() -> dict:
         events = sorted(_events.items())
         times = dict(sorted(_times.items()))
     rows = [{"branch": b, "backend": be, "reason": r, "calls": n} for (b, be, r), n in items]
-    fallbacks = sum(n for (_, _, r), n in items if not is_normal(r))
+    fallbacks = sum(n for (b, _, r), n in items if is_fallback(b, r))
     return {"counts": rows, "calls": sum(n for _, n in items), "fallbacks": fallbacks,
             "events": [{"branch": b, "backend": be, "event": e, "calls": n} for (b, be, e), n in events],
             "timings": {k: {"calls": c, "total_ms": round(t, 4)} for k, (c, t) in times.items()}}

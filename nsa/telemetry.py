@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -25,18 +24,14 @@ _events: Counter = Counter()  # (branch, backend, event): things that are not ro
 _times: dict = {}  # bucket -> [calls, total ms] (NSA_DEBUG_TIMING=1)
 
 
-def _log_limit() -> int:
-    try:
-        return int(os.environ.get("NSA_LOG_LIMIT", "5"))
-    except ValueError:
-        return 5
-
-
 def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
+    from .toggles import debug_log, log_limit
+
     key = (branch, backend, reason)
+    limit = log_limit() if debug_log() else 0  # read before taking the lock: a malformed value raises
     with _lock:
         _counts[key] += 1
-        emit = os.environ.get("NSA_DEBUG_LOG", "0") == "1" and _logged[key] < _log_limit()
+        emit = _logged[key] < limit
         if emit:
             _logged[key] += 1
     if emit:

@@ -91,6 +91,8 @@ class Step:
 class Plan:
     executor: str  # "fused" | "chunked" | "reference"
     steps: dict[str, Step] = field(default_factory=dict)
+    # chunked executor: elements of its largest per-chunk intermediate (rules.chunk_budget)
+    chunk_budget: int = rules.CHUNK_BUDGET["cpu"]
 
     def __getattr__(self, name):
         steps = self.__dict__.get("steps", {})
@@ -251,7 +253,8 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             steps["topn"] = Step("given", "forced")
         for name, s in steps.items():
             _record(name, s)
-        return Plan("chunked" if backend == "torch" else "reference", steps)
+        return Plan("chunked" if backend == "torch" else "reference", steps,
+                    rules.chunk_budget(q.device.type, tg or _toggles.read()))
 
     tg = tg or _toggles.read()
     sel_backend = sel_backend or tg.sel_backend
@@ -324,7 +327,13 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
     # T == 0 never runs either executor (nsa.run.run)
-    return Plan("fused" if fused else "chunked", steps)
+    return Plan("fused" if fused else "chunked", steps, rules.chunk_budget(q.device.type, tg))
+
+
+def chunk_budget(device) -> int:
+    """The chunked path's per-chunk element budget on `device` as the environment says now (for callers that
+    run the per-chunk functions without a Plan: nsa.distributed.local)."""
+    return rules.chunk_budget(torch.device(device).type, _toggles.read())
 
 
 # --- decode steps ---------------------------------------------------------------------------------------------

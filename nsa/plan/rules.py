@@ -277,6 +277,20 @@ def decode_guard(capability, q, cache, needs_grad: bool) -> Failure | None:
     return None
 
 
+# --- the chunked executor's chunk size ---------------------------------------------------------------------
+
+# Elements of the chunked path's largest per-chunk intermediate: a few hundred MB on CPU, a few GB on a GPU,
+# where larger chunks mean fewer kernel launches. NSA_TORCH_CHUNK_BUDGET overrides both.
+CHUNK_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
+
+
+def chunk_budget(device_type: str, toggles: Toggles) -> int:
+    """The per-chunk element budget of the chunked path (nsa.run.chunked.choose_chunk) on this device type."""
+    if toggles.chunk_budget is not None:
+        return toggles.chunk_budget
+    return CHUNK_BUDGET.get(device_type, CHUNK_BUDGET["cpu"])
+
+
 # --- the dense core and its sliding branch on the Triton window kernels -----------------------------------
 
 DENSE_CORE_MIN_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention

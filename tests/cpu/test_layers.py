@@ -146,6 +146,27 @@ def test_only_the_toggles_read_the_environment():
     assert _env_reads("import os\nx = os.environ.get('A')\nfrom os import getenv\n") == [2, 3]
 
 
+def _private_cache_uses(source: str) -> list[str]:
+    """`x._name` where x is named like a cache (cache, self.cache, kv_cache ...): a private member of NSACache
+    used from outside it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if "cache" in name.lower():
+                found.append(f"{name}.{node.attr}")
+    return found
+
+
+def test_nothing_outside_the_cache_uses_its_private_members():
+    """The decode entry points, runners and branches use NSACache's public methods only."""
+    found = {str(p.relative_to(ROOT)): _private_cache_uses(p.read_text()) for p in SOURCES}
+    assert {k: v for k, v in found.items() if v and k != "nsa/cache.py"} == {}
+    assert _private_cache_uses("cache._base\nself.cache._steps\nlayout._x\ncache.__class__\n") == [
+        "cache._base", "cache._steps"]
+
+
 def test_the_scan_sees_an_upward_import(tmp_path):
     """Relative imports are resolved: a kernel module importing the plan or the telemetry is caught."""
     f = tmp_path / "probe.py"

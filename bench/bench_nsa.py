@@ -169,25 +169,27 @@ def breakdown(cfg, q, k, v, gates, iters, warmup, device, shape_name):
     o_cmp, lse = p.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
     idx = p.topn.fn(q, k_cmp, lse, layout, cfg, scale)
     o_sel = p.sel.fn(q, k, v, idx, layout, cfg, scale)
-    o_win = p.win.fn(q, k, v, layout, cfg, scale)
+    # the dense core's sliding branch on NSA's Triton kernels: both directions (its backward timed alone)
+    if p.win.provider == "triton_window":
+        from nsa.kernels.triton.window import window_backward, window_forward
+
+        o_win, lse_w = window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale)
+        d_w = torch.randn_like(o_win)
+        win = (lambda: window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale),
+               lambda: window_backward(d_w, q.detach(), k.detach(), v.detach(), o_win, lse_w, cfg.window, scale))
+    else:
+        o_win = p.win.fn(q, k, v, layout, cfg, scale)
+        win = (lambda: p.win.fn(q, k, v, layout, cfg, scale), (q, k, v))
     combine = p.combine.fn or combine_torch
     steps = {
         "compress": (lambda: compress_kv(k, v, layout, cfg), (k, v)),
         "cmp": (lambda: p.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)[0], (q, k_cmp, v_cmp)),
         "topn": (lambda: p.topn.fn(q, k_cmp, lse, layout, cfg, scale), None),
         "sel": (lambda: p.sel.fn(q, k, v, idx, layout, cfg, scale), (q, k, v)),
-        "win": (lambda: p.win.fn(q, k, v, layout, cfg, scale), (q, k, v)),
+        "win": win,
         "combine": (lambda: combine(gates, o_cmp, o_sel, o_win), (gates, o_cmp, o_sel, o_win)),
     }
     providers = {}
-    if p.window_triton:  # the dense core's sliding branch: NSA's Triton kernels both ways (its backward timed alone)
-        from nsa.kernels.triton.window import window_backward, window_forward
-
-        o_w, lse_w = window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale)
-        d_w = torch.randn_like(o_w)
-        steps["win"] = (lambda: window_forward(q.detach(), k.detach(), v.detach(), cfg.window, scale),
-                        lambda: window_backward(d_w, q.detach(), k.detach(), v.detach(), o_w, lse_w, cfg.window, scale))
-        providers["win"] = "triton"
     if p.dense_core:  # ... and the selection forward with the gate combine in its epilogue (forward only)
         from nsa.kernels.triton.combine import Segments
         from nsa.kernels.triton.selection import sel_forward

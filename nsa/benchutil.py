@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .toggles import nsa_variables
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
@@ -121,7 +123,7 @@ def env_metadata(device: torch.device | str = "cpu") -> dict:
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
         "argv": list(sys.argv),
-        "nsa_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NSA_")},
+        "nsa_env": nsa_variables(),
     }
     if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)

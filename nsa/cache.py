@@ -169,8 +169,14 @@ class NSACache:
             raise NSAInputError(f"{name} has dtype {x.dtype}, the cache holds {self.dtype}: "
                                 "create the cache with the model's dtype")
 
-    def _branch_inputs(self, k, v, kv_cmp, kv_win, batch=None):
-        """Validate (k, v) and the per-branch pairs; return (k, v, kc, vc, kw, vw) with defaults filled in."""
+    def branch_tokens(self, k, v, kv_cmp=None, kv_win=None, *, batch: int | None = None) -> tuple:
+        """(k, v, kc, vc, kw, vw): new tokens for the cache, checked, one (k, v) pair per branch.
+
+        k, v [B, T, Hkv, D] and the optional kv_cmp / kv_win pairs (a branch's own projections, as
+        nsa_attention takes them) must each match the cache (check_tokens) and hold the same T tokens; a
+        missing pair is (k, v). B is the cache's batch, or `batch` (1 for packed input). Raises
+        NSAInputError naming the argument; writes nothing. nsa_decode and nsa_prefill check their input
+        with it before anything is written, and write() before writing."""
         self.check_tokens("k", k, self.d_k, batch=batch)
         self.check_tokens("v", v, self.d_v, batch=batch)
         pairs = {}
@@ -229,11 +235,11 @@ class NSACache:
         static shapes; O(tokens + window) work, plus the compressed blocks that complete.
         """
         if cu_seqlens is None:
-            k, v, kc, vc, kw, vw = self._branch_inputs(k, v, kv_cmp, kv_win)
+            k, v, kc, vc, kw, vw = self.branch_tokens(k, v, kv_cmp, kv_win)
             T = k.shape[1]
             news = [T] * self.batch
         else:
-            k, v, kc, vc, kw, vw = self._branch_inputs(k, v, kv_cmp, kv_win, batch=1)
+            k, v, kc, vc, kw, vw = self.branch_tokens(k, v, kv_cmp, kv_win, batch=1)
             host = self.check_cu_seqlens(cu_seqlens, k.shape[1])
             news = [b - a for a, b in zip(host, host[1:])]
         if self.config.compress == "mlp" and compress_fn is None:

@@ -43,7 +43,7 @@ def _check_step(q, k, v, gates, cache: NSACache, cfg, kv_cmp, kv_win, compress_f
         raise NSAInputError(f"q head dim {q.shape[3]} differs from the cache's d_k={cache.d_k}")
     if cfg.compress == "mlp" and compress_fn is None:
         raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v)")
-    tokens = cache._branch_inputs(k, v, kv_cmp, kv_win)
+    tokens = cache.branch_tokens(k, v, kv_cmp, kv_win)
     if out is not None:
         want = (cache.batch, 1, q.shape[2], cache.d_v)
         if (not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != q.dtype
@@ -126,10 +126,10 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     if not cache.is_empty:
         return _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn)
     if cu_seqlens is not None:
-        cache._branch_inputs(k, v, kv_cmp, kv_win, batch=1)
+        cache.branch_tokens(k, v, kv_cmp, kv_win, batch=1)
         cache.check_cu_seqlens(cu_seqlens, k.shape[1])
     else:
-        cache._branch_inputs(k, v, kv_cmp, kv_win)
+        cache.branch_tokens(k, v, kv_cmp, kv_win)
     out = nsa_attention(q, k, v, gates, cfg, cu_seqlens=cu_seqlens, kv_cmp=kv_cmp, kv_win=kv_win,
                         compress_fn=compress_fn, backend=backend)
     cache.write(k, v, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, cu_seqlens=cu_seqlens)

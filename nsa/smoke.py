@@ -13,8 +13,9 @@ Checks (each recorded in the report with pass/fail and its numbers; any failure 
   every generated token is the uncached argmax (a different token is only allowed where the uncached
   top-2 logits are within that tolerance, i.e. a genuine tie);
 - routing_visible: every branch was served by a recorded backend in every phase; fallbacks (telemetry
-  reasons other than ok / forced* / decode) are listed, and fail the check only with --no-fallbacks
-  (use it where a fast path must serve, e.g. on a GPU with FlashAttention-2).
+  reasons other than ok / forced* / decode, on any step but core: nsa.telemetry.is_fallback) are listed,
+  and fail the check only with --no-fallbacks (use it where a fast path must serve, e.g. on a GPU with
+  FlashAttention-2).
 Which backend served each branch (nsa.telemetry) is printed per phase and written to the report.
 Writes OUT/smoke.json: environment metadata, configuration, shapes, timings, telemetry, checks.
 """
@@ -34,10 +35,6 @@ from .config import NSAConfig
 
 BRANCHES = ("cmp", "sel", "win")
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-# Telemetry reasons that are normal routing, not fallbacks: "ok" (auto routing), "forced*" (a backend
-# asked for by name), "decode" (a decode step ran the torch branch functions because the decode kernels are
-# not available here).
-NORMAL_REASONS = ("ok", "decode")
 
 CONFIGS = {
     # Blocks small enough that a 256-token sequence is genuinely sparse: 31 compressed blocks, 16
@@ -182,7 +179,7 @@ def run(args) -> dict:
 
     # 5. routing: every branch served in every phase; fallbacks listed (fatal with --no-fallbacks)
     unexpected = [dict(phase=ph, **row) for ph, snap in tel.items() for row in snap["counts"]
-                  if row["reason"] not in NORMAL_REASONS and not row["reason"].startswith("forced")]
+                  if telemetry.is_fallback(row["branch"], row["reason"])]
     unserved = [f"{ph}:{b}" for ph in ("forward", "train", "generate") for b in BRANCHES if not served[ph].get(b)]
     if args.new_tokens == 0:
         unserved = [u for u in unserved if not u.startswith("generate")]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -25,18 +24,14 @@ _events: Counter = Counter()  # (branch, backend, event): things that are not ro
 _times: dict = {}  # bucket -> [calls, total ms] (NSA_DEBUG_TIMING=1)
 
 
-def _log_limit() -> int:
-    try:
-        return int(os.environ.get("NSA_LOG_LIMIT", "5"))
-    except ValueError:
-        return 5
-
-
 def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
+    from .toggles import debug_log, log_limit
+
     key = (branch, backend, reason)
+    limit = log_limit() if debug_log() else 0  # read before taking the lock: a malformed value raises
     with _lock:
         _counts[key] += 1
-        emit = os.environ.get("NSA_DEBUG_LOG", "0") == "1" and _logged[key] < _log_limit()
+        emit = _logged[key] < limit
         if emit:
             _logged[key] += 1
     if emit:
@@ -141,6 +136,16 @@ def is_normal(reason: str) -> bool:
     return reason in NORMAL_REASONS or reason.startswith("forced")
 
 
+# Decisions whose every reason is normal: the "core" step of a fused call says whether its steps ran as one
+# autograd node (nsa.run.dense_core) and, when not, why (packed input, head dims padded, NSA_DENSE_CORE=0,
+# ...). The same kernels run either way, and a step that fell back is counted on that step.
+NEVER_FALLBACK = ("core",)
+
+
+def is_fallback(branch: str, reason: str) -> bool:
+    return branch not in NEVER_FALLBACK and not is_normal(reason)
+
+
 def snapshot() -> dict:
     """{"counts": [{"branch", "backend", "reason", "calls"}...], "fallbacks": n, "calls": n,
     "events": [{"branch", "backend", "event", "calls"}...], "timings": {bucket: {"calls", "total_ms"}}}."""
@@ -149,7 +154,7 @@ def snapshot() -> dict:
         events = sorted(_events.items())
         times = dict(sorted(_times.items()))
     rows = [{"branch": b, "backend": be, "reason": r, "calls": n} for (b, be, r), n in items]
-    fallbacks = sum(n for (_, _, r), n in items if not is_normal(r))
+    fallbacks = sum(n for (b, _, r), n in items if is_fallback(b, r))
     return {"counts": rows, "calls": sum(n for _, n in items), "fallbacks": fallbacks,
             "events": [{"branch": b, "backend": be, "event": e, "calls": n} for (b, be, e), n in events],
             "timings": {k: {"calls": c, "total_ms": round(t, 4)} for k, (c, t) in times.items()}}

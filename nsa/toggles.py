@@ -3,6 +3,10 @@
 Every plan calls `read()`, so `os.environ[...] = ...` between two calls of the same module
 takes effect on the next call. A malformed value is an error naming the variable, never silently
 ignored. docs/backends.md has the table of every toggle with its default and meaning.
+
+This is the one module of the library that reads the environment (tests/cpu/test_layers.py keeps it so):
+besides `read()`, the telemetry's log switches (`debug_log`, `log_limit`), Triton's interpreter
+(`triton_interpret`) and the NSA_* variables a report records (`nsa_variables`) are read here.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class Toggles:
     sel_min_len: int | None = None  # NSA_SEL_TRITON_MIN_L (None: nsa.plan.rules.TRITON_MIN_L)
     use_triton_topn: bool = True  # NSA_USE_TRITON_TOPN: 0 keeps the top-n step on torch
     sel_backend: str = "auto"  # NSA_SEL_BACKEND: auto | torch | triton_sel (triton_sel = forced)
+    # NSA_TORCH_CHUNK_BUDGET: elements of the chunked path's largest per-chunk intermediate (None: by device,
+    # nsa.plan.rules.CHUNK_BUDGET)
+    chunk_budget: int | None = None
 
     def fa2_enabled(self, branch: str) -> bool:
         if not self.use_fa2:
@@ -155,7 +162,28 @@ def read() -> Toggles:
         sel_min_len=env_int("NSA_SEL_TRITON_MIN_L", None),
         use_triton_topn=env_bool("NSA_USE_TRITON_TOPN", True),
         sel_backend=env_choice("NSA_SEL_BACKEND", SEL_BACKENDS, "auto"),
+        chunk_budget=env_int("NSA_TORCH_CHUNK_BUDGET", None, minimum=1),
     )
     if t.force_varlen and t.force_dense:
         raise NSAInputError("NSA_FA2_FORCE_VARLEN=1 and NSA_FA2_FORCE_DENSE=1 contradict each other: set one")
     return t
+
+
+def debug_log() -> bool:
+    """NSA_DEBUG_LOG=1: nsa.telemetry logs each (branch, backend, reason)."""
+    return env_bool("NSA_DEBUG_LOG", False)
+
+
+def log_limit() -> int:
+    """NSA_LOG_LIMIT: how many times each (branch, backend, reason) is logged (default 5)."""
+    return env_int("NSA_LOG_LIMIT", 5)
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton's interpreter runs the kernels on CPU tensors (a forced kernel may run there)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def nsa_variables() -> dict[str, str]:
+    """Every NSA_* variable set, by name (the reports record them)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NSA_")}

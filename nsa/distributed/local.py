@@ -22,9 +22,8 @@ from ..branches.sliding.naive import sliding_chunk
 from ..compress import compress_kv
 from ..config import NSAConfig
 from ..layout import dense_layout, packed_layout
-
-# Elements of the largest per-chunk intermediate (as the chunked pipeline sizes its chunks).
-CHUNK_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
+from ..plan import chunk_budget
+from ..run.chunked import choose_chunk
 
 
 def prefix_layout(B: int, end: int, cfg: NSAConfig, cu_seqlens, device):
@@ -32,12 +31,6 @@ def prefix_layout(B: int, end: int, cfg: NSAConfig, cu_seqlens, device):
     if cu_seqlens is None:
         return dense_layout(B, end, cfg, device)
     return packed_layout(cu_seqlens.clamp(max=end), end, cfg)
-
-
-def choose_chunk(Tq: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: NSAConfig, device_type: str) -> int:
-    per_query = Hq * (n_cmp + cfg.n_sel * cfg.block_sel + cfg.window) + Hkv * cfg.n_sel * cfg.block_sel * (Dk + Dv)
-    budget = CHUNK_BUDGET.get(device_type, CHUNK_BUDGET["cpu"])
-    return int(max(16, min(Tq, budget // max(per_query, 1))))
 
 
 def _chunk(c0, c1, offset, q, gates, k, v, k_cmp, v_cmp, kw, vw, w0, layout, cfg, scale, fixed, need_indices):
@@ -107,7 +100,8 @@ def nsa_local(q, gates, k, v, cfg: NSAConfig, offset: int, *, cu_seqlens=None, k
     w0 = max(0, offset - cfg.window + 1)
     kw_ct, vw_ct = kw[:, w0:end].to(ct), vw[:, w0:end].to(ct)
     fixed = dedupe_indices(block_indices) if block_indices is not None else None
-    chunk = chunk or choose_chunk(Tq, Hq, Hkv, Dk, Dv, layout.n_cmp, cfg, q.device.type)
+    # Chunks sized as the chunked executor sizes them (its budget and rule).
+    chunk = chunk or choose_chunk(Tq, Hq, Hkv, Dk, Dv, layout.n_cmp, cfg, chunk_budget(q.device))
     tensors = (q, gates, k, v, k_cmp, v_cmp, kw_ct, vw_ct)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     outs, idxs = [], []

@@ -24,10 +24,15 @@ chunked loop.
 
 Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
 top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
-(nsa.run.fused); for dense input on FA-2-family providers it runs as one autograd node
-(Plan.dense_core, nsa.run.dense_core). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
-implementations exist as hooks (nsa.run.chunked). backend="torch" is always chunked;
-backend="reference" is the fp64 oracle.
+(nsa.run.fused). A fused plan has one more step, core: provider "dense_core" where the steps run as one
+autograd node (nsa.run.dense_core: dense input on FA-2-family providers, rules.dense_core_guard), else
+"separate" with the reason it does not apply (never a fallback: the same steps run as separate
+operations). In the dense core of backend="auto" the win step's provider is "triton_window" where NSA's
+Triton window kernels serve the sliding branch (rules.window_triton_guard; elsewhere, and with a forced
+backend, its FA-2 provider serves it); the core step holds that FA-2 provider for the compressed branch's
+tail tokens. Otherwise "chunked": the
+torch path over query chunks, with whatever whole-T implementations exist as hooks (nsa.run.chunked).
+backend="torch" is always chunked; backend="reference" is the fp64 oracle.
 
 Decode (`plan_decode`, backend= "auto" | "torch" | "triton"): a forced backend that cannot run raises
 NSAInputError with the reason; "auto" takes the Triton decode kernels on CUDA when their guards pass, else
@@ -64,25 +69,30 @@ from .providers import CUDNN, ORDER, PROVIDERS, TRITON  # noqa: F401 - the regis
 
 BACKENDS = ("auto", "torch", "reference", "flash_attn", "torch_flash", "sdpa")
 SEL_BACKENDS = _toggles.SEL_BACKENDS
-STEPS = ("cmp", "topn", "sel", "win", "combine")
+STEPS = ("cmp", "topn", "sel", "win", "combine", "core")
 
 
 @dataclass
 class Step:
-    # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, reference, given
+    # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, triton_window (win in
+    # the dense core), reference, given; the core step: dense_core or separate
     provider: str
     reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
-    fn: Callable | None = None  # whole-T implementation (branch signature); None: the chunked torch path
+    # whole-T implementation (branch signature); None: the chunked torch path, or a step the dense core runs
+    # itself (triton_window: forward and backward kernels; core)
+    fn: Callable | None = None
     detail: str = ""
-    impl: tuple | None = None  # cmp / win on an FA-2-family provider: (provider, CallContext)
+    # cmp / win on an FA-2-family provider, and the dense core's step (the provider of the compressed branch's
+    # tail tokens): (provider, CallContext)
+    impl: tuple | None = None
 
 
 @dataclass
 class Plan:
     executor: str  # "fused" | "chunked" | "reference"
     steps: dict[str, Step] = field(default_factory=dict)
-    dense_core: bool = False  # fused executor: the steps run as one autograd node (nsa.run.dense_core)
-    window_triton: bool = False  # dense core: the sliding branch on the Triton kernels (forward and backward)
+    # chunked executor: elements of its largest per-chunk intermediate (rules.chunk_budget)
+    chunk_budget: int = rules.CHUNK_BUDGET["cpu"]
 
     def __getattr__(self, name):
         steps = self.__dict__.get("steps", {})
@@ -90,10 +100,16 @@ class Plan:
             return steps[name]
         raise AttributeError(name)
 
+    @property
+    def dense_core(self) -> bool:
+        """Whether the fused steps run as one autograd node (the core step's provider is "dense_core")."""
+        core = self.steps.get("core")
+        return core is not None and core.provider == "dense_core"
+
     def describe(self) -> dict:
-        """{"executor": ..., "cmp": "torch_flash", ...}: what served each step (reports, benches)."""
-        return {"executor": self.executor, "dense_core": self.dense_core, "window_triton": self.window_triton,
-                **{k: s.provider for k, s in self.steps.items()}}
+        """{"executor": ..., "cmp": "torch_flash", ..., "core": "dense_core"}: what served each step (reports,
+        benches)."""
+        return {"executor": self.executor, **{k: s.provider for k, s in self.steps.items()}}
 
 
 def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg, n_cmp: int = 0) -> tuple[str, str, str]:
@@ -237,7 +253,8 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             steps["topn"] = Step("given", "forced")
         for name, s in steps.items():
             _record(name, s)
-        return Plan("chunked" if backend == "torch" else "reference", steps)
+        return Plan("chunked" if backend == "torch" else "reference", steps,
+                    rules.chunk_budget(q.device.type, tg or _toggles.read()))
 
     tg = tg or _toggles.read()
     sel_backend = sel_backend or tg.sel_backend
@@ -296,14 +313,27 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             steps["combine"] = Step("triton", "ok", combine_triton.gate_combine)
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
-    core = fused and rules.dense_core_applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
-    win_triton = core and rules.window_triton(tg, q, *(kv_win or (k, v)))
+        fail = rules.dense_core_guard(steps, sel_ctx, tg, q, cfg, given_indices)
+        if fail:
+            steps["core"] = Step("separate", fail.reason, None, fail.message)
+        else:
+            # The compressed branch's tail tokens run on the sliding branch's FA-2 provider (nsa.run.dense_core).
+            steps["core"] = Step("dense_core", "ok", impl=steps["win"].impl)
+            # A forced backend serves win on the provider asked for; auto takes the Triton window where it runs.
+            if backend == "auto" and rules.window_triton_guard(tg, q, *(kv_win or (k, v))) is None:
+                steps["win"] = Step("triton_window", "ok")
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)
         _record(name, s)
     # T == 0 never runs either executor (nsa.run.run)
-    return Plan("fused" if fused else "chunked", steps, core, win_triton)
+    return Plan("fused" if fused else "chunked", steps, rules.chunk_budget(q.device.type, tg))
+
+
+def chunk_budget(device) -> int:
+    """The chunked path's per-chunk element budget on `device` as the environment says now (for callers that
+    run the per-chunk functions without a Plan: nsa.distributed.local)."""
+    return rules.chunk_budget(torch.device(device).type, _toggles.read())
 
 
 # --- decode steps ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ goes through nsa.hooks.HOOKS (`providers`, `cudnn`).
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ from ..kernels.fa2.base import Fa2Provider
 from ..kernels.fa2.flash_attn import FlashAttnProvider
 from ..kernels.fa2.torch_cudnn import TorchCudnnProvider
 from ..kernels.fa2.torch_flash import TorchFlashProvider
-from ..toggles import Toggles
+from ..toggles import Toggles, triton_interpret
 from . import rules
 
 
@@ -90,7 +89,7 @@ class TritonProvider:
             return False, why
         if device.type == "cuda" or self.allow_cpu:
             return True, "ok"
-        if forced and os.environ.get("TRITON_INTERPRET") == "1":
+        if forced and triton_interpret():
             return True, "Triton interpreter on CPU (TRITON_INTERPRET=1)"
         what = "decode kernels run" if self.kind == "decode" else f"{self.kind} kernel runs"
         return False, f"the Triton {what} on CUDA tensors, got {device}" + (

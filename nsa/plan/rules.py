@@ -13,6 +13,8 @@ Reason codes (docs/backends.md):
                                                         head_dim, grad, cu_seqlens, below_min_len, config
     Triton decode                                       disabled, sm_unsupported, dtype, head_dim,
                                                         group_size, grad
+    dense core (the core step; never a fallback)        disabled, packed, provider, dtype, steps,
+                                                        head_dim, q_stride, short
 """
 
 from __future__ import annotations
@@ -275,48 +277,64 @@ def decode_guard(capability, q, cache, needs_grad: bool) -> Failure | None:
     return None
 
 
+# --- the chunked executor's chunk size ---------------------------------------------------------------------
+
+# Elements of the chunked path's largest per-chunk intermediate: a few hundred MB on CPU, a few GB on a GPU,
+# where larger chunks mean fewer kernel launches. NSA_TORCH_CHUNK_BUDGET overrides both.
+CHUNK_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
+
+
+def chunk_budget(device_type: str, toggles: Toggles) -> int:
+    """The per-chunk element budget of the chunked path (nsa.run.chunked.choose_chunk) on this device type."""
+    if toggles.chunk_budget is not None:
+        return toggles.chunk_budget
+    return CHUNK_BUDGET.get(device_type, CHUNK_BUDGET["cpu"])
+
+
 # --- the dense core and its sliding branch on the Triton window kernels -----------------------------------
 
 DENSE_CORE_MIN_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
 
 
-def dense_core_applies(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) -> tuple[bool, str]:
-    """(whether the dense core (nsa.run.dense_core) serves this fused call, why not): dense input, cmp and
-    win on an FA-2-family provider with no dtype cast or head-dim padding, sel, top-n (or given indices)
-    and combine on Triton, a q whose tokens can be viewed as rows, at least two rows. NSA_DENSE_CORE=0
-    turns it off."""
+def dense_core_guard(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) -> Failure | None:
+    """Why the dense core (nsa.run.dense_core) does not serve this fused call, or None where it does: it
+    needs dense input, cmp and win on an FA-2-family provider with no dtype cast or head-dim padding, sel,
+    top-n (or given indices) and combine on Triton, a q whose tokens can be viewed as rows, at least two
+    rows. NSA_DENSE_CORE=0 turns it off. Reasons: disabled, packed, provider, dtype, steps, head_dim,
+    q_stride, short (never a fallback: the same steps run as separate operations, nsa.telemetry)."""
     from ..branches.compressed.fold import view_foldable, view_rows
 
     if not toggles.dense_core:
-        return False, "NSA_DENSE_CORE=0"
+        return Failure("disabled", "NSA_DENSE_CORE=0")
     if ctx.packed or toggles.force_varlen:
-        return False, "packed input (cu_seqlens) or NSA_FA2_FORCE_VARLEN=1"
+        return Failure("packed", "packed input (cu_seqlens) or NSA_FA2_FORCE_VARLEN=1")
     for step in ("cmp", "win"):
         if steps[step].impl is None:
-            return False, f"the {step} step is not on an FA-2-family provider"
+            return Failure("provider", f"the {step} step is not on an FA-2-family provider")
         prov = steps[step].impl[0]
         if ctx.dtype not in prov.kernel_dtypes:
-            return False, f"{ctx.dtype} is cast for {prov.name}"
+            return Failure("dtype", f"{ctx.dtype} is cast for {prov.name}")
     if steps["sel"].provider != "triton" or steps["combine"].provider != "triton" or not (
             given_indices or steps["topn"].provider == "triton"):
-        return False, "sel, top-n and combine are not all on Triton"
+        return Failure("steps", "sel, top-n and combine are not all on Triton")
     if not (ctx.Dk == ctx.Dv == padded_head_dim(ctx.Dk, ctx.Dv)):
-        return False, f"head dims Dk={ctx.Dk}, Dv={ctx.Dv} are padded for FA-2"
+        return Failure("head_dim", f"head dims Dk={ctx.Dk}, Dv={ctx.Dv} are padded for FA-2")
     if not view_foldable(q):
-        return False, "q's token stride is not Hq times its head stride"
+        return Failure("q_stride", "q's token stride is not Hq times its head stride")
     if view_rows(ctx.T, cfg)[1] < DENSE_CORE_MIN_ROWS:
-        return False, (f"T={ctx.T} has fewer than {DENSE_CORE_MIN_ROWS} rows of {cfg.stride_cmp} tokens after the "
-                       "first block")
-    return True, ""
+        return Failure("short", f"T={ctx.T} has fewer than {DENSE_CORE_MIN_ROWS} rows of {cfg.stride_cmp} tokens "
+                       "after the first block")
+    return None
 
 
-def window_triton(toggles: Toggles, q, kw, vw) -> bool:
-    """Whether the dense core runs the sliding branch on NSA's Triton kernels: on by default where they run
-    (Hopper TMA copies, power-of-two head dims); elsewhere its FA-2 provider serves both directions, as it
-    would without them (not a fallback: telemetry counts the kernels' runs as a "window_forward" event).
-    NSA_TRITON_WINDOW=0 turns it off."""
+def window_triton_guard(toggles: Toggles, q, kw, vw) -> Failure | None:
+    """Why the dense core's sliding branch does not run on NSA's Triton kernels, or None where it does: on by
+    default where they run (Hopper TMA copies, power-of-two head dims); elsewhere its FA-2 provider serves
+    both directions, as it would without them (not a fallback: the win step keeps that provider and its
+    reason). NSA_TRITON_WINDOW=0 turns it off."""
     if not toggles.triton_window:
-        return False
+        return Failure("disabled", "NSA_TRITON_WINDOW=0")
     from ..branches.sliding.triton import supported
 
-    return supported(q, kw, vw)[0]
+    ok, why = supported(q, kw, vw)
+    return None if ok else Failure("unsupported", why)

@@ -9,8 +9,6 @@ the loop, top-n before it when the kernel serves it, sel after it over every chu
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -23,14 +21,10 @@ from ..compress import compress_kv
 from ..config import NSAConfig
 from .common import branch_kv
 
-# Elements of the largest per-chunk intermediate: a few hundred MB on CPU, a few GB on a GPU, where
-# larger chunks mean fewer kernel launches. NSA_TORCH_CHUNK_BUDGET overrides both.
-DEFAULT_CHUNK_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
 
-
-def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: NSAConfig, device_type="cpu") -> int:
-    default = DEFAULT_CHUNK_BUDGET.get(device_type, DEFAULT_CHUNK_BUDGET["cpu"])
-    budget = int(os.environ.get("NSA_TORCH_CHUNK_BUDGET", default))
+def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: NSAConfig, budget: int) -> int:
+    """Queries per chunk: as many as keep the largest per-chunk intermediate within `budget` elements (the
+    plan's chunk_budget, nsa.plan.rules.chunk_budget), at least 16, at most T."""
     per_query = Hq * (n_cmp + cfg.n_sel * cfg.block_sel + cfg.window) + Hkv * cfg.n_sel * cfg.block_sel * (Dk + Dv)
     chunk = max(16, budget // max(per_query, 1))
     return int(min(T, chunk)) if T > 0 else 1
@@ -110,7 +104,7 @@ def run_chunked(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, 
     fixed = dedupe_indices(block_indices) if block_indices is not None else None
     if fixed is None and plan.topn.fn is not None:
         fixed = plan.topn.fn(q, k_cmp, lse_cmp_full, layout, cfg, scale).long()
-    chunk = chunk or choose_chunk(T, Hq, Hkv, Dk, Dv, layout.n_cmp, cfg, q.device.type)
+    chunk = chunk or choose_chunk(T, Hq, Hkv, Dk, Dv, layout.n_cmp, cfg, plan.chunk_budget)
     tensors = (q, k, v, gates, k_cmp_ct, v_cmp_ct, k_win, v_win)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if use_checkpoint is None:
@@ -139,4 +133,4 @@ def run_chunked(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, 
     return out, indices
 
 
-__all__ = ["DEFAULT_CHUNK_BUDGET", "choose_chunk", "run_chunked"]
+__all__ = ["choose_chunk", "run_chunked"]

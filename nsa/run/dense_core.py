@@ -25,10 +25,10 @@ it (a view of q, the expanded compressed K/V), and the backward asks autograd fo
 so the library's backward runs exactly as it would outside (dropout off, the same saved tensors).
 
 Every step is a branch function (nsa.branches); which providers serve them, and whether the core applies
-at all, planning decides (nsa.plan.rules.dense_core_applies): dense input, compressed and sliding branches
-on an FA-2-family provider (flash_attn, torch_flash, torch_cudnn) with no dtype cast or head-dim padding,
-selection, top-n (or given indices) and combine on Triton, a q whose tokens can be viewed as rows, at least
-two rows. NSA_DENSE_CORE=0 turns it off. Not twice differentiable.
+at all (the plan's core step, nsa.plan.rules.dense_core_guard), planning decides: dense input, compressed
+and sliding branches on an FA-2-family provider (flash_attn, torch_flash, torch_cudnn) with no dtype cast
+or head-dim padding, selection, top-n (or given indices) and combine on Triton, a q whose tokens can be
+viewed as rows, at least two rows. NSA_DENSE_CORE=0 turns it off. Not twice differentiable.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class DenseCore(torch.autograd.Function):
             lse[:, t0:ta] = unfold_view_lse(lse_rows.detach(), Hq, d)
             if ta < T:
                 tail_in = (_leaf(q[:, ta:]), _leaf(k_cmp[:, :n + 1]), _leaf(v_cmp[:, :n + 1]))
-                o_tail, lse_tail = tail_attention(plan.win.impl[0], *tail_in, scale)
+                o_tail, lse_tail = tail_attention(plan.core.impl[0], *tail_in, scale)
                 lse[:, ta:] = lse_tail.detach()
             else:
                 tail_in, o_tail = None, o_main.new_zeros(B, 0, Hq, o_main.shape[-1])
@@ -157,10 +157,10 @@ class TritonWindow:
 
 
 def start_window(plan, q, kw, vw, layout, cfg, scale):
-    """The sliding branch (a GraphWindow or, where planning chose it, a TritonWindow: `.o`, `.grad(dw, keep)`).
-    It needs nothing else of the pipeline, so the pipeline launches it first, before the compression and its
-    own host work: the GPU starts on a large kernel as early as it can."""
-    if plan.window_triton:
+    """The sliding branch (a GraphWindow or, where planning chose "triton_window" for the win step, a
+    TritonWindow: `.o`, `.grad(dw, keep)`). It needs nothing else of the pipeline, so the pipeline launches it
+    first, before the compression and its own host work: the GPU starts on a large kernel as early as it can."""
+    if plan.win.provider == "triton_window":
         return TritonWindow(q, kw, vw, cfg, scale)
     return GraphWindow(plan, q, kw, vw, layout, cfg, scale)
 

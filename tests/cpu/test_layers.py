@@ -1,5 +1,6 @@
 """The library's layering, checked from the source: imports point one way (api -> plan -> run -> branches ->
-kernels), the kernels read no toggle and write no telemetry, and planning imports no triton."""
+kernels), the kernels read no toggle and write no telemetry, only nsa/toggles.py reads the environment, and
+planning imports no triton."""
 
 from __future__ import annotations
 
@@ -117,6 +118,53 @@ def test_kernels_are_mechanism_only():
                                                                                          ["telemetry"]))
            for p in (NSA / "kernels").rglob("*.py")}
     assert not {k: v for k, v in bad.items() if v}
+
+
+ENV_READERS = {"nsa/toggles.py", "nsa/hooks.py"}  # the library's one reader of the environment (and the hooks)
+
+
+def _env_reads(source: str) -> list[int]:
+    """Lines of `source` that touch the process environment: os.environ / os.getenv / os.putenv, or importing
+    them from os."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "environb"):
+            if isinstance(node.value, ast.Name) and node.value.id == "os":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if {a.name for a in node.names} & {"environ", "getenv", "putenv", "environb"}:
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_toggles_read_the_environment():
+    """Every environment variable the library reads goes through nsa/toggles.py (documented there, read at call
+    time); the scan finds both spellings in a probe."""
+    found = {str(p.relative_to(ROOT)): _env_reads(p.read_text()) for p in SOURCES}
+    assert {k: v for k, v in found.items() if v and k not in ENV_READERS} == {}
+    assert found["nsa/toggles.py"]  # the scan sees the one reader
+    assert _env_reads("import os\nx = os.environ.get('A')\nfrom os import getenv\n") == [2, 3]
+
+
+def _private_cache_uses(source: str) -> list[str]:
+    """`x._name` where x is named like a cache (cache, self.cache, kv_cache ...): a private member of NSACache
+    used from outside it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if "cache" in name.lower():
+                found.append(f"{name}.{node.attr}")
+    return found
+
+
+def test_nothing_outside_the_cache_uses_its_private_members():
+    """The decode entry points, runners and branches use NSACache's public methods only."""
+    found = {str(p.relative_to(ROOT)): _private_cache_uses(p.read_text()) for p in SOURCES}
+    assert {k: v for k, v in found.items() if v and k != "nsa/cache.py"} == {}
+    assert _private_cache_uses("cache._base\nself.cache._steps\nlayout._x\ncache.__class__\n") == [
+        "cache._base", "cache._steps"]
 
 
 def test_the_scan_sees_an_upward_import(tmp_path):

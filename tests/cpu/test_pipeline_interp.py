@@ -413,8 +413,10 @@ def test_dense_core_retained_graph_and_toggle(fused, gen):
         assert torch.equal(a, b)
     assert _core_events() == 1
     fused.setenv("NSA_DENSE_CORE", "0")
+    telemetry.reset()
     off = nsa_attention(q, k, v, g, CFG)
-    assert _core_events() == 1 and rel_err(off, got) <= 2e-5
+    assert _core_events() == 0 and rel_err(off, got) <= 2e-5
+    assert backend_fakes.counts()[("core", "separate", "disabled")] == 1
     for name, a, b in zip("qkvg", torch.autograd.grad(off, (q, k, v, g), go), first):
         assert rel_err(a, b) <= 2e-5, name
 
@@ -435,8 +437,10 @@ def test_dense_core_given_blocks_and_separate_window_kv(fused, gen):
         assert rel_err(a, b) <= 2e-5, name
 
 
-@pytest.mark.parametrize("why", ["short", "packed", "padded_heads", "transposed_q"])
-def test_dense_core_not_used_where_it_does_not_apply(fused, gen, why):
+@pytest.mark.parametrize("why,reason", [("short", "short"), ("packed", "packed"), ("padded_heads", "head_dim"),
+                                        ("transposed_q", "q_stride")])
+def test_dense_core_not_used_where_it_does_not_apply(fused, gen, why, reason):
+    """The fused steps run as separate operations; telemetry's core row says why, and it is not a fallback."""
     T = 12 if why == "short" else 40  # l8d4: rows start at token 7, two rows need T >= 15
     Dv = 8 if why == "padded_heads" else 16
     q, k, v, g = make_inputs(gen, 1, T, 4, 2, 16, Dv, torch.float32)
@@ -446,4 +450,8 @@ def test_dense_core_not_used_where_it_does_not_apply(fused, gen, why):
     telemetry.reset()
     got = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu)
     assert _core_events() == 0 and telemetry.served("sel") == {"triton": 1}
+    snap = telemetry.snapshot()
+    assert backend_fakes.counts()[("core", "separate", reason)] == 1
+    assert snap["fallbacks"] == sum(r["calls"] for r in snap["counts"]
+                                    if r["branch"] != "core" and not telemetry.is_normal(r["reason"]))
     assert rel_err(got, nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, backend="torch")) <= 2e-5

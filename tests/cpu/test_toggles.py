@@ -41,11 +41,58 @@ def test_read_at_call_time(clean_env):
 
 
 @pytest.mark.parametrize("var,raw", [("NSA_USE_FA2", "maybe"), ("NSA_USE_CUDNN", "2"), ("NSA_FA2_MIN_LEN_WIN", "1k"),
-                                     ("NSA_FA2_MIN_LEN_CMP", "-1"), ("NSA_SDPA_CHUNK", "0")])
+                                     ("NSA_FA2_MIN_LEN_CMP", "-1"), ("NSA_SDPA_CHUNK", "0"),
+                                     ("NSA_TORCH_CHUNK_BUDGET", "64M")])
 def test_malformed_values_raise_naming_the_variable(clean_env, var, raw):
     clean_env.setenv(var, raw)
     with pytest.raises(NSAInputError, match=var):
         toggles.read()
+
+
+def test_chunk_budget_is_read_at_call_time_and_passed_to_the_chunked_paths(clean_env, gen, monkeypatch):
+    """NSA_TORCH_CHUNK_BUDGET reaches the plan (else the device's entry of rules.CHUNK_BUDGET), and both
+    chunked paths size their chunks from it: the chunked executor and context parallelism's local path."""
+    import nsa.distributed.local as local
+    import nsa.run.chunked as chunked
+    from nsa import nsa_attention, plan
+    from nsa.plan import rules
+
+    from .helpers import SMALL, make_inputs
+
+    cfg = SMALL["l8d4s8n4"]
+    q, k, v, g = make_inputs(gen, 1, 40, 2, 1, 8, 8, dtype=torch.float32)
+    assert plan.make_plan("torch", q, k, v, cfg).chunk_budget == rules.CHUNK_BUDGET["cpu"] == plan.chunk_budget("cpu")
+    assert plan.chunk_budget("cuda") == rules.CHUNK_BUDGET["cuda"]
+    calls = []
+    for mod in (chunked, local):
+        monkeypatch.setattr(mod, "_chunk", lambda *a, _f=mod._chunk, _m=mod.__name__: calls.append(_m) or _f(*a))
+    whole = nsa_attention(q, k, v, g, cfg, backend="torch")
+    whole_local = local.nsa_local(q, g, k, v, cfg, 0)[0]
+    assert calls == ["nsa.run.chunked", "nsa.distributed.local"]  # one chunk each: T=40 fits the budget
+    clean_env.setenv("NSA_TORCH_CHUNK_BUDGET", "1")  # the smallest chunk, 16 queries
+    assert plan.make_plan("torch", q, k, v, cfg).chunk_budget == 1 == plan.chunk_budget("cuda")
+    calls.clear()
+    torch.testing.assert_close(nsa_attention(q, k, v, g, cfg, backend="torch"), whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(local.nsa_local(q, g, k, v, cfg, 0)[0], whole_local, rtol=0, atol=1e-6)
+    assert calls == ["nsa.run.chunked"] * 3 + ["nsa.distributed.local"] * 3
+
+
+def test_telemetry_log_switches_are_toggles(clean_env, caplog):
+    """NSA_DEBUG_LOG / NSA_LOG_LIMIT are read through nsa.toggles at each record: the limit holds per key, and a
+    malformed value raises naming the variable (before anything is counted)."""
+    from nsa import telemetry
+
+    clean_env.setenv("NSA_DEBUG_LOG", "1")
+    clean_env.setenv("NSA_LOG_LIMIT", "2")
+    with caplog.at_level("WARNING", logger="nsa"):
+        for _ in range(3):
+            telemetry.record("cmp", "torch", "ok")
+    assert sum("nsa.route branch=cmp" in r.getMessage() for r in caplog.records) == 2
+    for var, raw in (("NSA_LOG_LIMIT", "many"), ("NSA_DEBUG_LOG", "maybe")):
+        clean_env.setenv(var, raw)
+        with pytest.raises(NSAInputError, match=var):
+            telemetry.record("cmp", "torch", "ok")
+    assert telemetry.served("cmp") == {"torch": 3}
 
 
 def test_force_varlen_and_dense_contradict(clean_env):

@@ -140,8 +140,8 @@ def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core,
     want_grads = torch.autograd.grad(want, (q, k, v, g), go)
     telemetry.reset()
     got = nsa_attention(q, k, v, g, cfg)
-    assert _window_events() == 1 and telemetry.served("win") == {"torch_flash": 1}
-    assert telemetry.snapshot()["fallbacks"] == 0
+    assert _window_events() == 1 and telemetry.served("win") == {"triton_window": 1}
+    assert telemetry.served("core") == {"dense_core": 1} and telemetry.snapshot()["fallbacks"] == 0
     assert rel_err(got, want) <= 2e-5
     for name, a, b in zip("qkvg", torch.autograd.grad(got, (q, k, v, g), go), want_grads):
         assert rel_err(a, b) <= 2e-5, name
@@ -149,17 +149,23 @@ def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core,
     telemetry.reset()
     off = nsa_attention(q, k, v, g, cfg)
     assert _window_events() == 0 and rel_err(off, want) <= 2e-5
+    assert telemetry.served("win") == {"torch_flash": 1} and telemetry.served("core") == {"dense_core": 1}
 
 
 def test_window_plan_needs_tma(gen, torch_flash_core):
-    """The Triton window serves the window's FA-2 providers alike (flash_attn here too), not without TMA
-    copies; neither case is a fallback."""
+    """The Triton window serves the window's FA-2 providers alike (flash_attn here too; the core step keeps
+    that provider for the compressed branch's tail tokens), not with a forced backend, not without TMA
+    copies; no case is a fallback."""
     q, k, v, g = make_inputs(gen, 1, 40, 4, 2, 64, 64, torch.float32)
     fast = {**HOOKS.providers, "flash_attn": backend_fakes.emulated("flash_attn")}
     torch_flash_core.setattr(HOOKS, "providers", fast)
     telemetry.reset()
     p = plan.make_plan("auto", q, k, v, CFG)
-    assert p.dense_core and p.window_triton and p.win.provider == "flash_attn"
+    assert p.core.provider == "dense_core" and p.core.impl[0].name == "flash_attn"
+    assert p.win.provider == "triton_window" and p.win.reason == "ok"
+    forced = plan.make_plan("flash_attn", q, k, v, CFG)  # a forced backend serves win itself
+    assert forced.core.provider == "dense_core" and (forced.win.provider, forced.win.reason) == ("flash_attn", "forced")
     torch_flash_core.setattr(HOOKS, "tma_force", False)
-    assert not plan.make_plan("auto", q, k, v, CFG).window_triton
+    p = plan.make_plan("auto", q, k, v, CFG)
+    assert p.win.provider == "flash_attn" and p.core.provider == "dense_core"
     assert telemetry.snapshot()["fallbacks"] == 0

@@ -48,11 +48,14 @@ def branch_err(got, want):
     return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() if want.numel() else 0.0
 
 
-def assert_fa2_served(provider, branches=("cmp", "win"), forced=False):
+def assert_fa2_served(provider, branches=("cmp", "win"), forced=False, also=()):
+    """Only `provider` (or one of `also`) served each of `branches`, with no fallback on them."""
     snap = telemetry.snapshot()
     for b in branches:
         served = telemetry.served(b)
-        assert set(served) == {provider}, f"{b} served by {served}, want only {provider}: {snap['counts']}"
+        assert served and set(served) <= {provider, *also}, (f"{b} served by {served}, want only {provider}"
+                                                             f"{' or ' + ', '.join(also) if also else ''}: "
+                                                             f"{snap['counts']}")
     # Zero fallbacks on the branches under test (the sel branch has its own routing and thresholds).
     fallbacks = [r for r in snap["counts"] if r["branch"] in branches and not telemetry.is_normal(r["reason"])]
     assert not fallbacks, snap["counts"]

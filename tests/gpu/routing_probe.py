@@ -4,7 +4,9 @@
 
 Runs, in bf16 and fp32: a dense prefill, a packed varlen prefill (cu_seqlens), its backward, and a few
 decode steps through an NSACache. Prints which backend served each branch (nsa.telemetry, with the
-rate-limited `nsa.route` log lines on stderr) and fails (exit 1) on any non-finite output or gradient.
+rate-limited `nsa.route` log lines on stderr; a fused call's core row says whether the dense core ran,
+`core->dense_core`, or why not, `core->separate (reason)`) and fails (exit 1) on any non-finite output or
+gradient.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ def test_dense_core_runs_the_window_kernel(gen):
     out = nsa_attention(q, k, v, g, cfg)
     events = {e["event"]: e["calls"] for e in telemetry.snapshot()["events"]}
     assert events.get("window_forward") == 1 and events.get("dense_core") == 1, events
+    assert telemetry.served("win") == {"triton_window": 1} and telemetry.served("core") == {"dense_core": 1}
     assert telemetry.snapshot()["fallbacks"] == 0
     with torch.no_grad():
         assert torch.equal(nsa_attention(q, k, v, g, cfg), out.detach())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _attend_tile, _cmp_row, _store_partial, _window_partial
+from .parts import _attend_tile, _cmp_row, _query_tile, _store_partial, _window_partial
 
 
 @triton.jit
@@ -19,18 +19,8 @@ def _cmp_win_kernel(
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    b = bh // Hkv
-    h = bh % Hkv
-    rg = tl.arange(0, BLOCK_G)
-    rn = tl.arange(0, BLOCK_N)
-    rdk = tl.arange(0, BLOCK_DK)
-    rdv = tl.arange(0, BLOCK_DV)
-    g_ok = rg < G
-    dk_ok = rdk < Dk
-    dv_ok = rdv < Dv
-    q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
-                other=0.0)
-    t = tl.load(POS + b).to(tl.int64)
+    b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
+                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV)
     if sp < n_split_cmp:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)

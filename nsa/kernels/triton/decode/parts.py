@@ -1,6 +1,7 @@
-"""Jit helpers the decode launches share: one tile of keys into the online-softmax state, a program's
-partial (max, sum, unnormalised acc) stored and, in the combine, loaded and merged, and the window ring's
-share of a program (launch 2, or launch 4 with Tuning.window_with_sel)."""
+"""Jit helpers the decode launches share: the prologue of an attention program (its sequence, KV head, query
+tile and position), one tile of keys into the online-softmax state, a program's partial (max, sum,
+unnormalised acc) stored and, in the combine, loaded and merged, and the window ring's share of a program
+(launch 2, or launch 4 with Tuning.window_with_sel)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ import triton
 import triton.language as tl
 
 from ..common import pv_dot, qk_dot, softmax_step
+
+
+@triton.jit
+def _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The prologue of an attention program of (b, KV head) bh (launches 2 and 4): b, h, the query tile q
+    [BLOCK_G, BLOCK_DK] of the KV head's G query heads (zero past G and Dk), the position t (int64), the
+    ranges over heads, keys and head dims and their masks."""
+    b = bh // Hkv
+    h = bh % Hkv
+    rg = tl.arange(0, BLOCK_G)
+    rn = tl.arange(0, BLOCK_N)
+    rdk = tl.arange(0, BLOCK_DK)
+    rdv = tl.arange(0, BLOCK_DV)
+    g_ok = rg < G
+    dk_ok = rdk < Dk
+    dv_ok = rdv < Dv
+    q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
+                other=0.0)
+    t = tl.load(POS + b).to(tl.int64)
+    return b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok
 
 
 @triton.jit

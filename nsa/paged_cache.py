@@ -126,8 +126,12 @@ class PagedNSACache(NSACache):
     # -- pages ---------------------------------------------------------------------------------------------
     def check_room(self, new_tokens: list[int] | int) -> None:
         """Refuse a write past a row's capacity or the pool, else take the pages it needs (before any write)."""
-        super().check_room(new_tokens)
         news = [new_tokens] * self.batch if isinstance(new_tokens, int) else new_tokens
+        over = [(b, n + x) for b, (n, x) in enumerate(zip(self.host_seqlens(), news)) if n + x > self.max_len]
+        if over:
+            b, need = over[0]
+            raise NSAInputError(f"cache overflow: sequence {b} would hold {need} tokens > max_pages_per_seq x "
+                                f"page_size = {self.max_len}; create the cache with a larger max_pages_per_seq")
         need = [max(0, -(-(n + x) // self.page_size) - len(p))
                 for n, x, p in zip(self.host_seqlens(), news, self._pages)]
         if sum(need) == 0:
@@ -177,9 +181,12 @@ class PagedNSACache(NSACache):
 
     def load_tables(self, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
         """Adopt an engine's tables (it manages the pages): block_table int32 [batch, n <= max_pages_per_seq],
-        cache_seqlens int32 [batch], both on the host (validated there, then copied to the device). The
-        cache's own free list is not used while the engine manages the pages: its writes must fit the pages
-        given (a step past them raises)."""
+        cache_seqlens int32 [batch], both on the host (validated there, then copied to the device).
+
+        Row b's pages are its leading non-negative entries, -1 pads the rest: they must cover its
+        cache_seqlens[b] tokens, and may go further (pages given ahead for the next writes, as an engine
+        allocates them before a step). The cache's own free list is not used while the engine manages the
+        pages: a write past a row's pages raises."""
         for name, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
             if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
                 raise NSAInputError(f"{name} must be an int32 torch.Tensor, got "
@@ -194,14 +201,18 @@ class PagedNSACache(NSACache):
         table = block_table.tolist()
         pages = []
         for b, (n, row) in enumerate(zip(lengths, table)):
+            given = next((i for i, p in enumerate(row) if p < 0), len(row))
+            if any(p != -1 for p in row[given:]):
+                raise NSAInputError(f"block_table row {b}: after its pages only -1 (padding) may follow, got "
+                                    f"{row[given:]}")
             used = -(-n // self.page_size)
-            if n < 0 or used > len(row):
+            if n < 0 or used > given:
                 raise NSAInputError(f"block_table is too short: row {b} holds {n} tokens, which need {used} pages "
-                                    f"of {self.page_size}, the table has {len(row)} columns")
-            bad = [p for p in row[:used] if not 0 <= p < self.num_pages]
+                                    f"of {self.page_size}, the table gives {given}")
+            bad = [p for p in row[:given] if p >= self.num_pages]
             if bad:
                 raise NSAInputError(f"block_table row {b} names page {bad[0]}, outside the pool [0, {self.num_pages})")
-            pages.append(row[:used])
+            pages.append(row[:given])
         seen = [p for row in pages for p in row]
         if len(set(seen)) != len(seen):
             raise NSAInputError("block_table gives one page to two positions (pages in use must be distinct)")

@@ -130,21 +130,21 @@ def test_chunked_prefill_and_multi_token_appends_equal_one_prefill(gen, paged):
 def test_engine_tables_are_validated(gen):
     cache = PagedNSACache(CFG, 2, 10, 4, 4, 2, 8, 8, dtype=torch.float64)
     lens = torch.tensor([5, 8], dtype=torch.int32)
-    ok = torch.tensor([[3, 7, 0, 0], [1, 0, 0, 0]], dtype=torch.int32)
+    ok = torch.tensor([[3, 7, -1, -1], [1, 2, -1, -1]], dtype=torch.int32)
     for table, seqlens, match in (
         (ok.long(), lens, "block_table must be an int32"),
         (ok, lens.long(), "cache_seqlens must be an int32"),
         (ok[:, :1], lens, "block_table is too short: row 0 holds 5 tokens"),
         (torch.zeros(2, 5, dtype=torch.int32), lens, r"block_table must have shape \[batch=2, n <= max_pages"),
         (torch.tensor([[3, 10], [1, 2]], dtype=torch.int32), lens, "block_table row 0 names page 10"),
-        (torch.tensor([[3, -1], [1, 2]], dtype=torch.int32), lens, "block_table row 0 names page -1"),
+        (torch.tensor([[3, -1], [1, 2]], dtype=torch.int32), lens, "too short: row 0 holds 5 tokens, which need 2"),
+        (torch.tensor([[3, 7, -1, 4], [1, 2, -1, -1]], dtype=torch.int32), lens, "only -1 .padding. may follow"),
         (torch.tensor([[3, 1], [1, 2]], dtype=torch.int32), lens, "one page to two positions"),
         (ok, lens[:1], r"cache_seqlens must have shape \[batch=2\]"),
     ):
         with pytest.raises(NSAInputError, match=match):
             cache.load_tables(table, seqlens)
-    good = torch.tensor([[3, 7, 0, 0], [1, 2, 0, 0]], dtype=torch.int32)
-    cache.load_tables(good, lens)
+    cache.load_tables(ok, lens)
     assert cache.host_seqlens() == [5, 8] and cache.pages_of(1) == [1, 2]
     q, k, v = (torch.randn(2, 1, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
     g = torch.rand(2, 1, 4, 3, generator=gen, dtype=torch.float64)
@@ -152,6 +152,27 @@ def test_engine_tables_are_validated(gen):
     with pytest.raises(NSAInputError, match="block_table is too short: row 1 needs 1 more page"):
         nsa_decode(q, k, v, g, cache)
     assert cache.host_seqlens() == [5, 8]
+
+
+def test_engine_managed_pages(gen):
+    """An engine gives every row's pages ahead (shuffled, -1 padded) through load_tables: prefill and decode
+    write and read through them (the cache takes no page itself) and equal prefill of the whole sequences;
+    a step past the pages given raises before writing."""
+    case = make_case(gen, CFG, [5, 18], 3, 4, 2, 8, 8, dtype=torch.float64)
+    cache = PagedNSACache(CFG, 2, 12, 4, 8, 2, 8, 8, dtype=torch.float64)
+    perm = torch.randperm(12, generator=gen)
+    table = torch.full((2, 8), -1, dtype=torch.int32)
+    table[0, :2], table[1, :6] = perm[:2], perm[2:8]  # row 0: 8 tokens of room, row 1: 24
+    cache.load_tables(table, torch.zeros(2, dtype=torch.int32))
+    prefill_cache(case, cache=cache)
+    want, want_idx = expected(case)
+    got, idx = decode_all(case, cache, "torch")
+    assert torch.equal(idx, want_idx) and rel_err(got, want) <= 1e-12
+    assert cache.pages_of(0) == perm[:2].tolist() and cache.host_seqlens() == [8, 21]
+    q, k, v = (torch.randn(2, 1, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    with pytest.raises(NSAInputError, match="block_table is too short: row 0 needs 1 more page"):
+        nsa_decode(q, k, v, torch.rand(2, 1, 4, 3, generator=gen, dtype=torch.float64), cache)
+    assert cache.host_seqlens() == [8, 21] == cache.cache_seqlens.tolist()
 
 
 def test_bad_construction_and_pool_exhaustion(gen):

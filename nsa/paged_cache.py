@@ -37,7 +37,13 @@ from .validation import NSAInputError
 
 
 class PagedNSACache(NSACache):
-    """NSACache's lengths bookkeeping, validation, rings and write/decode logic on paged K/V storage."""
+    """NSACache's lengths bookkeeping, validation, rings and write/decode logic on paged K/V storage.
+
+    It does not run NSACache.__init__ (which allocates contiguous [batch, max_len] buffers): it sets the
+    state the inherited methods use itself, and replaces the storage methods (_store_tokens, _store_cmp,
+    compressed_kv, selected_kv) and the sizes read from the buffers. A state added to NSACache.__init__
+    must be added here too (tests/cpu/test_paged_cache.py runs every inherited path).
+    """
 
     def __init__(self, config: NSAConfig, batch: int, num_pages: int, page_size: int, max_pages_per_seq: int,
                  n_kv_heads: int, d_k: int, d_v: int, *, device=None, dtype=torch.float32):
@@ -159,13 +165,15 @@ class PagedNSACache(NSACache):
 
     def reserve(self, new_tokens: int) -> None:
         """Take the pages of every row's next `new_tokens` tokens now (before capturing a CUDA graph)."""
+        if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 0:
+            raise NSAInputError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
         self.check_room(new_tokens)
 
     def free(self, rows) -> None:
         """End the sequences in `rows` (int or list): their pages go back to the pool, their lengths to 0."""
         rows = [rows] if isinstance(rows, int) else list(rows)
         for b in rows:
-            if not (isinstance(b, int) and 0 <= b < self.batch):
+            if not (isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.batch):
                 raise NSAInputError(f"rows must be row indices in [0, {self.batch}), got {b!r}")
         lengths = self.host_seqlens()
         for b in rows:

@@ -82,6 +82,16 @@ MUTATIONS = [
              "nsa/kernels/triton/decode/score_topk.py",
              "free = (j <= jt) & (j < NJ)", "free = (j < jt) & (j < NJ)",
              ("tests/cpu/test_decode_triton_interp.py::test_kernels_odd_group_and_head_dims",)),
+    Mutation("paged decode: a token's page looked up in row 0's block table (row offset dropped)",
+             "nsa/kernels/triton/decode/parts.py",
+             "page = tl.load(BT + b * sbt + u // PAGE, mask=mask, other=0)",
+             "page = tl.load(BT + u // PAGE, mask=mask, other=0)",
+             ("tests/cpu/test_decode_triton_interp.py::test_kernels_on_the_paged_cache",)),
+    Mutation("paged decode: a compressed block's page taken by its index, not its first token (`i // PAGE`)",
+             "nsa/kernels/triton/decode/parts.py",
+             "page = tl.load(BT + b * sbt + start // PAGE, mask=mask, other=0)",
+             "page = tl.load(BT + b * sbt + i // PAGE, mask=mask, other=0)",
+             ("tests/cpu/test_decode_triton_interp.py::test_kernels_on_the_paged_cache",)),
 ]
 
 

@@ -2,7 +2,8 @@
 
 - ragged decode on the paged cache (pages in shuffled order) through the Triton kernels (backend "auto",
   asserted to be served by them) equals the contiguous cache's: fp32 identical blocks and outputs to 1e-5
-  (and the prefill's), bf16 identical to the contiguous kernels (the same arithmetic on the same values);
+  (and the prefill's), bf16 identical blocks (the contiguous cache has the same capacity, so the same
+  split plan: the same arithmetic on the same values);
 - the step captured in a CUDA graph and replayed equals the eager steps (kernels: bit for bit; torch step:
   1e-6), pages reserved before capture (cache.reserve), crossing page boundaries during the replays;
 - pages past 2^31 elements of the pool (int64 addresses): a sequence whose pages sit at the end of a
@@ -35,8 +36,9 @@ def _clean(monkeypatch):
 ], ids=["small-page8", "paper-page64"])
 def test_paged_decode_equals_contiguous(gen, dtype, cfg, page, lengths, steps, Hq, Hkv, D):
     case = make_case(gen, cfg, lengths, steps, Hq, Hkv, D, D, dtype=dtype, device="cuda")
-    c_out, c_idx = decode_all(case, prefill_cache(case), "auto")
     paged = prefill_paged_cache(case, page, seed=1)
+    # the same capacity: the same split plan, so the same arithmetic on the same values
+    c_out, c_idx = decode_all(case, prefill_cache(case, max_len=paged.max_len), "auto")
     telemetry.reset()
     got, idx = decode_all(case, paged, "auto")
     assert telemetry.served("sel") == {"triton_decode": steps}, telemetry.snapshot()
@@ -94,8 +96,8 @@ def test_pages_past_2_31_elements(gen):
         pytest.skip("needs about 10 GiB of free GPU memory")
     cfg = NSAConfig()
     case = make_case(gen, cfg, [700, 1500], 6, 4, Hkv, D, D, dtype=torch.bfloat16, device="cuda")
-    c_out, c_idx = decode_all(case, prefill_cache(case), "triton")
     cache = PagedNSACache(cfg, 2, num_pages, page, 24, Hkv, D, D, device="cuda", dtype=torch.bfloat16)
+    c_out, c_idx = decode_all(case, prefill_cache(case, max_len=cache.max_len, prefill_backend=None), "triton")
     cache._free = list(range(num_pages - 60, num_pages))  # the last pages: row offsets past 2^31 elements
     prefill_cache(case, cache=cache, prefill_backend=None)
     assert max(max(cache.pages_of(b)) for b in range(2)) * per_page >= 1 << 31

@@ -69,6 +69,7 @@ KERNELS = (
     "combine_fwd",
     "combine_bwd",
     "decode",
+    "decode_paged",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUICK = (("bf16", 16, "128"), ("bf16", 16, "192/128"), ("fp32", 16, "128"))
@@ -237,11 +238,15 @@ def run_family(family: str, c: Case) -> str | None:
         else:
             seg = comb.segments(o_cmp[:, 31:-1], 31, o_cmp[:, -1:])
             comb.backward(_empty(c.B, c.T, Hq, c.Dv, dtype=dt), gates, seg, o_sel, o_win)
-    elif family == "decode":
+    elif family in ("decode", "decode_paged"):
         from nsa.branches.decode import triton as dec
         from nsa.cache import NSACache
+        from nsa.paged_cache import PagedNSACache
 
-        cache = NSACache(cfg, c.B, 8192, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
+        if family == "decode":
+            cache = NSACache(cfg, c.B, 8192, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
+        else:  # the kernels' PAGED variants: K/V read through a block table of 64-token pages
+            cache = PagedNSACache(cfg, c.B, 128 * c.B, 64, 128, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
         tokens = tuple(_empty(c.B, 1, c.Hkv, d, dtype=dt) for d in (c.Dk, c.Dv) * 3)
         dec.decode_step(_empty(c.B, 1, Hq, c.Dk, dtype=dt), _empty(c.B, 1, Hq, 3, dtype=dt), cache, tokens)
     else:

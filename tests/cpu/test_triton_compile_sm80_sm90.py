@@ -38,6 +38,9 @@ EXPECTED = {
     "decode:score_topk",
     "decode:sel",
     "decode:combine",
+    "decode_paged:append",
+    "decode_paged:cmp_win",
+    "decode_paged:sel",
 }
 WINDOW = {"window_fwd:window_fwd", "window_bwd:window_delta", "window_bwd:window_dkdv", "window_bwd:window_dq"}
 

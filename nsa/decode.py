@@ -1,5 +1,7 @@
 """The decode entry points: `nsa_decode` (one step: each sequence's new token, its NSA output from the cache,
-equal to prefill at that position) and `nsa_prefill` (outputs for the prompts, and the empty cache filled).
+equal to prefill at that position) and `nsa_prefill` (outputs for the prompts, and the cache filled; into a
+cache that holds tokens, the new ones appended). The cache: nsa.NSACache (contiguous, one buffer per
+sequence) or nsa.PagedNSACache (a page pool and block tables, docs/serving.md); both paths read either.
 
 Two implementations of a step, chosen by `backend=` ("auto" | "torch" | "triton"): torch (the prefill
 branches' per-chunk functions on the cache, nsa.branches.decode.naive) and triton (five launches per step,
@@ -57,7 +59,8 @@ def nsa_decode(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None,
                compress_fn=None, return_indices=False, return_stats=False, backend="auto", out=None):
     """Append each sequence's new token ([B, 1, Hkv, D]) to `cache` and return its output [B, 1, Hq, Dv].
 
-    q [B, 1, Hq, Dk], gates [B, 1, Hq, 3]; sequence b's token goes to position cache.cache_seqlens[b].
+    q [B, 1, Hq, Dk], gates [B, 1, Hq, 3]; sequence b's token goes to position cache.cache_seqlens[b]
+    (a PagedNSACache: into page block_table[b, t // page_size], taken from the free list when new).
     kv_cmp / kv_win / compress_fn as in nsa_attention. backend: "auto" | "torch" | "triton" (module doc).
     out: optional [B, 1, Hq, Dv] buffer for the output (static address, e.g. for CUDA graphs).
     return_indices adds the selected blocks [B, 1, Hkv, n_sel] int32 (ascending, -1 padded); return_stats

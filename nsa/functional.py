@@ -59,6 +59,10 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
     host_cu = None
     if cu_seqlens is not None:
         host_cu = check_cu_seqlens(cu_seqlens, shapes, q.device)
+        if max(b - a for a, b in zip(host_cu, host_cu[1:])) == shapes.T:
+            # One sequence spans all T tokens (the others empty): the same function as dense input with
+            # B == 1, and the dense call is the faster one (views instead of the varlen copies).
+            cu_seqlens = host_cu = None
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 

@@ -24,10 +24,10 @@ chunked loop.
 
 Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
 top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
-(nsa.run.fused); for dense input on FA-2-family providers it runs as one autograd node
-(Plan.dense_core, nsa.run.dense_core). Otherwise "chunked": the torch path over query chunks, with whatever whole-T
-implementations exist as hooks (nsa.run.chunked). backend="torch" is always chunked;
-backend="reference" is the fp64 oracle.
+(nsa.run.fused); with cmp and win on FA-2-family providers and the rest on Triton it runs as one
+autograd node (Plan.dense_core, nsa.run.dense_core), for dense and packed input. Otherwise "chunked":
+the torch path over query chunks, with whatever whole-T implementations exist as hooks (nsa.run.chunked).
+backend="torch" is always chunked; backend="reference" is the fp64 oracle.
 
 Decode (`plan_decode`, backend= "auto" | "torch" | "triton"): a forced backend that cannot run raises
 NSAInputError with the reason; "auto" takes the Triton decode kernels on CUDA when their guards pass, else
@@ -297,7 +297,8 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
         else:
             steps["combine"] = Step("torch", fail.reason if fail else "ok", None, str(fail) if fail else "")
     core = fused and rules.dense_core_applies(steps, sel_ctx, tg, q, cfg, given_indices)[0]
-    win_triton = core and rules.window_triton(tg, q, *(kv_win or (k, v)))
+    # The Triton window kernels take dense input only: packed input keeps the provider's varlen call.
+    win_triton = core and cu_seqlens is None and rules.window_triton(tg, q, *(kv_win or (k, v)))
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)

@@ -159,10 +159,18 @@ def fold_q_view(q: torch.Tensor, t0: int, n_rows: int, d: int) -> torch.Tensor:
     return q[:, t0:t0 + n_rows * d].view(B, n_rows, d * Hq, D)
 
 
-def expand_kv(x: torch.Tensor, n_rows: int, d: int) -> torch.Tensor:
-    """Blocks [0, n_rows) of x [B, Nc, Hkv, D] as [B, n_rows, d*Hkv, D], KV head r*Hkv + kv (a copy)."""
+def expand_kv(x: torch.Tensor, n_rows: int, d: int, head_dim: int | None = None) -> torch.Tensor:
+    """Blocks [0, n_rows) of x [B, Nc, Hkv, D] as [B, n_rows, d*Hkv, head_dim], KV head r*Hkv + kv (a copy).
+    head_dim > D zero-pads the head dim in the same copy (V for an FA-2 call with Dk > Dv: FA-2 takes one
+    head dim for q, k and v)."""
     B, _, Hkv, D = x.shape
-    return x[:, :n_rows, None].expand(B, n_rows, d, Hkv, D).reshape(B, n_rows, d * Hkv, D)
+    rows = x[:, :n_rows, None].expand(B, n_rows, d, Hkv, D)
+    if head_dim is None or head_dim == D:
+        return rows.reshape(B, n_rows, d * Hkv, D)
+    out = x.new_empty(B, n_rows, d, Hkv, head_dim)
+    out[..., D:].zero_()
+    out[..., :D] = rows
+    return out.view(B, n_rows, d * Hkv, head_dim)
 
 
 def unfold_view_o(o: torch.Tensor, Hq: int) -> torch.Tensor:

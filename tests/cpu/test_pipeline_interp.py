@@ -448,7 +448,7 @@ def test_dense_core_serves_every_fused_call(fused, gen, why, fold):
     the provider's own compressed call; Dk > Dv folds by view with V padded. Same result as the torch path."""
     T = 12 if why == "short" else 40  # l8d4: rows start at token 7, two rows need T >= 15
     Dk, Dv = {"v_narrower": (16, 8), "v_wider": (8, 16)}.get(why, (16, 16))
-    q, k, v, g = make_inputs(gen, 1, T, 4, 2, Dk, Dv, torch.float32, True)
+    q, k, v, g = make_inputs(gen, 2 if why == "v_wider" else 1, T, 4, 2, Dk, Dv, torch.float32, True)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32) if why == "packed" else None
     if why == "transposed_q":
         q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
@@ -510,17 +510,21 @@ def test_dense_core_fp16_against_fp64(fused, gen, packed):
                        "fold_copy" if packed else "fold_view")
 
 
-@pytest.mark.parametrize("cu", [[0, 29], [0, 0, 29, 29]], ids=["one", "one-among-empty"])
-def test_one_packed_sequence_is_the_dense_call(fused, gen, cu):
-    """cu_seqlens whose only sequence spans T runs exactly the dense call: the same bits, outputs and
-    gradients, and the same plan (the compressed branch folded by view)."""
-    x = make_inputs(gen, 1, 29, 4, 2, 16, 16, torch.float32, True)
-    go = torch.randn(1, 29, 4, 16, generator=gen)
-    dense, dense_idx = nsa_attention(*x, CFG, return_indices=True)
-    want = torch.autograd.grad(dense, x, go)
+@pytest.mark.parametrize("lengths", [[29], [0, 17, 0, 17, 17]], ids=["one", "three-among-empty"])
+def test_packed_sequences_of_one_length_are_the_dense_batch(fused, gen, lengths):
+    """cu_seqlens whose non-empty sequences share one length L runs exactly the dense call on [n, L]: the
+    same bits, outputs, indices and gradients, the same plan (the compressed branch folded by view)."""
+    T, n = sum(lengths), sum(1 for x in lengths if x)
+    x = make_inputs(gen, 1, T, 4, 2, 16, 16, torch.float32, True)
+    go = torch.randn(1, T, 4, 16, generator=gen)
+    dense, dense_idx = nsa_attention(*(t.view(n, T // n, *t.shape[2:]) for t in x), CFG, return_indices=True)
+    want = torch.autograd.grad(dense, x, go.view(dense.shape))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     telemetry.reset()
-    got, idx = nsa_attention(*x, CFG, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_indices=True)
+    got, idx = nsa_attention(*x, CFG, cu_seqlens=cu, return_indices=True)
     assert _fold_events() == {"fold_view": 1} and _core_events() == 1
-    assert torch.equal(got, dense) and torch.equal(idx, dense_idx)
+    assert {(e["backend"], e["event"]) for e in telemetry.snapshot()["events"]} >= {("packed", "as_batch")}
+    assert torch.equal(got, dense.view(got.shape)) and torch.equal(idx, dense_idx.view(idx.shape))
     for name, a, b in zip("qkvg", torch.autograd.grad(got, x, go), want):
         assert torch.equal(a, b), name
+    assert rel_err(got, nsa_reference(*x, CFG, cu_seqlens=cu).out) <= 2e-5

@@ -5,7 +5,9 @@
 
 For each shape (--shapes: D128 = Hq 64, Hkv 4, Dk = Dv = 128; Dk192Dv128 = the paper's heads), dtype
 (--dtypes, default bf16) and T (--T, B=1; --packed adds a batch of 16 sequences of 4k packed with
-cu_seqlens; --one-seq-packed adds each T again as cu_seqlens=[0, T], which must time as the dense call),
+cu_seqlens, which nsa_attention runs as the dense batch [16, 4096] it is; --ragged adds 16 packed sequences
+of 3072 and 5120 tokens in turn, the varlen path, with no dense baseline; --one-seq-packed adds each T
+again as cu_seqlens=[0, T], which must time as the dense call),
 paper blocks (l=32, d=16, l'=64, n=16, w=512), shared K/V for the three branches:
   nsa        nsa_attention(..., backend="auto"): fwd (no grad), bwd (backward of a random output
              gradient, graph kept), fwdbwd (both); the plan that served it (telemetry) is recorded
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -278,6 +281,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="D128,Dk192Dv128")
     ap.add_argument("--packed", action="store_true", help="also a packed batch of 16 sequences of 4096")
     ap.add_argument("--one-seq-packed", action="store_true", help="also each T as cu_seqlens=[0, T]")
+    ap.add_argument("--ragged", action="store_true", help="also 16 packed sequences of 3072 and 5120 in turn")
     ap.add_argument("--dtypes", default="bf16", help="comma-separated: bf16, fp16")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -308,6 +312,8 @@ def main(argv=None):
         cases += [(s, dt, T, 1, "cu_one") for s in shapes for dt in run_dtypes for T in Ts]
     if args.packed:
         cases += [(s, dt, 4096 * 16 if not args.smoke else 128, 16, "packed") for s in shapes for dt in run_dtypes]
+    if args.ragged:
+        cases += [(s, dt, 4096 * 16 if not args.smoke else 128, 16, "ragged") for s in shapes for dt in run_dtypes]
     fla_fn, fla_why = fla_peer()
     deadline = time.monotonic() + args.max_seconds
     meta = env_metadata(device)
@@ -323,8 +329,12 @@ def main(argv=None):
             continue
         q, k, v, gates = make_inputs(1, T, Hq, Hkv, Dk, Dv, dtype, device)
         cu = None
-        if kind != "dense":
+        if kind in ("packed", "cu_one"):
             cu = torch.arange(0, T + 1, T // n_seq, dtype=torch.int32, device=device)
+        elif kind == "ragged":  # L/4 shorter and longer in turn: one length would run as a dense batch
+            L = T // n_seq
+            lengths = [L - L // 4 if i % 2 else L + L // 4 for i in range(n_seq)]
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
         def nsa_fwd(q, k, v, gates, cu=cu):
             return nsa_attention(q, k, v, gates, cfg, cu_seqlens=cu)
@@ -336,8 +346,8 @@ def main(argv=None):
             served = {r["branch"]: r["backend"] for r in telemetry.snapshot()["counts"]}
             row["plan"] = " ".join(f"{s}={served.get(s, '-')}" for s in ("cmp", "topn", "sel", "win", "combine"))
             events = {e["event"] for e in telemetry.snapshot()["events"]}
-            row["plan"] += "".join(f" {e}" for e in ("dense_core", "fold_view", "fold_copy", "window_forward")
-                                   if e in events)
+            marks = ("as_batch", "dense_core", "fold_view", "fold_copy", "window_forward")
+            row["plan"] += "".join(f" {e}" for e in marks if e in events)
             row.update(fwd_ms=f["median_ms"], fwd_min_ms=f["min_ms"], fwd_max_ms=f["max_ms"], bwd_ms=b["median_ms"],
                        bwd_min_ms=b["min_ms"], bwd_max_ms=b["max_ms"], fwdbwd_ms=fb["median_ms"])
             row["peak_mib"] = peak_fwdbwd(nsa_fwd, (q, k, v, gates), device)
@@ -347,7 +357,7 @@ def main(argv=None):
         except torch.cuda.OutOfMemoryError as e:
             row["status"] = f"oom: {str(e).splitlines()[0][:120]}"
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        if device.type == "cuda":
+        if device.type == "cuda" and kind != "ragged":  # ragged: no dense form of the same work
             for name, key in (("flash", "dense_fa2"), ("cudnn", "cudnn")):
                 if name == "cudnn" and args.no_cudnn:
                     continue

@@ -1,6 +1,6 @@
 """The fused pipeline's one-autograd-node form (nsa.run.dense_core) on the GPU for the inputs it takes
 beyond dense D=128: packed input (cu_seqlens) with empty and length-1 sequences, Dk != Dv (192/128,
-128/64), fp16, and cu_seqlens whose only sequence spans T (the dense call, bit for bit).
+128/64), fp16, and packed sequences of one length (the dense batch they are, bit for bit).
 
 Every test asserts from telemetry that the core ran (its "dense_core" event), which form its compressed
 branch took ("fold_view": rows by view; "fold_copy": the provider's own call) and that nothing fell back.
@@ -105,16 +105,20 @@ def test_core_head_dims_and_fp16_vs_fp64(gen, T, Dk, Dv, dtype):
     check(gen, xs, PAPER, None, "fold_view" if Dk >= Dv else "fold_copy", oracle_on_gpu=True)
 
 
-@pytest.mark.parametrize("cu", [[0, 8192], [0, 0, 8192, 8192]], ids=["one", "one-among-empty"])
-def test_one_packed_sequence_is_the_dense_call(gen, cu):
-    xs = make(gen, 1, 8192, 16, 2, 128, 128, torch.bfloat16)
-    go = torch.randn(1, 8192, 16, 128, generator=gen).to("cuda", torch.bfloat16)
-    dense = nsa_attention(*xs, PAPER)
-    want = torch.autograd.grad(dense, xs, go)
+@pytest.mark.parametrize("lengths", [[8192], [0, 8192, 0], [4096, 0, 4096]], ids=["one", "one-among-empty", "two"])
+def test_packed_of_one_length_is_the_dense_batch(gen, lengths):
+    """Packed sequences of one length run exactly the dense call on [n, L]: the same bits, outputs and
+    gradients, the compressed branch folded by view."""
+    T, n = sum(lengths), sum(1 for x in lengths if x)
+    xs = make(gen, 1, T, 16, 2, 128, 128, torch.bfloat16)
+    go = torch.randn(1, T, 16, 128, generator=gen).to("cuda", torch.bfloat16)
+    dense = nsa_attention(*(x.view(n, T // n, *x.shape[2:]) for x in xs), PAPER)
+    want = torch.autograd.grad(dense, xs, go.view(dense.shape))
     telemetry.reset()
-    got = nsa_attention(*xs, PAPER, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    got = nsa_attention(*xs, PAPER, cu_seqlens=offsets(lengths))
     core_ran("fold_view")
-    assert torch.equal(got, dense)
+    assert any(e["event"] == "as_batch" for e in telemetry.snapshot()["events"])
+    assert torch.equal(got, dense.view(got.shape))
     for name, a, b in zip(("q", "k", "v", "gates"), torch.autograd.grad(got, xs, go), want):
         assert torch.equal(a, b), name
 

@@ -3,9 +3,12 @@
     PYTHONPATH=. python bench/bench_nsa.py --out bench/results/h100-cu130-torch2.11      # GPU, paper shapes
     PYTHONPATH=. python bench/bench_nsa.py --smoke --out /tmp/nsa-smoke                  # tiny CPU run (CI)
 
-For each shape (--shapes: D128 = Hq 64, Hkv 4, Dk = Dv = 128; Dk192Dv128 = the paper's heads) and T
-(--T, B=1; --packed adds a batch of 16 sequences of 4k packed with cu_seqlens), bf16, paper blocks
-(l=32, d=16, l'=64, n=16, w=512), shared K/V for the three branches:
+For each shape (--shapes: D128 = Hq 64, Hkv 4, Dk = Dv = 128; Dk192Dv128 = the paper's heads), dtype
+(--dtypes, default bf16) and T (--T, B=1; --packed adds a batch of 16 sequences of 4k packed with
+cu_seqlens, which nsa_attention runs as the dense batch [16, 4096] it is; --ragged adds 16 packed sequences
+of 3072 and 5120 tokens in turn, the varlen path, with no dense baseline; --one-seq-packed adds each T
+again as cu_seqlens=[0, T], which must time as the dense call),
+paper blocks (l=32, d=16, l'=64, n=16, w=512), shared K/V for the three branches:
   nsa        nsa_attention(..., backend="auto"): fwd (no grad), bwd (backward of a random output
              gradient, graph kept), fwdbwd (both); the plan that served it (telemetry) is recorded
   dense_fa2  causal SDPA with the flash backend only (FlashAttention-2; GQA through enable_gqa)
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -41,9 +45,9 @@ from nsa.benchutil import env_metadata, time_fn, write_csv, write_json  # noqa: 
 SHAPES = {"D128": (64, 4, 128, 128), "Dk192Dv128": (64, 4, 192, 128)}
 SMOKE_SHAPES = {"small": (4, 2, 32, 16)}
 LIMITS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0)}  # bf16 dense TF/s, HBM TB/s
-COLUMNS = ["impl", "T", "B", "n_seq", "Hq", "Hkv", "Dk", "Dv", "fwd_ms", "fwd_min_ms", "fwd_max_ms", "bwd_ms",
-           "bwd_min_ms", "bwd_max_ms", "fwdbwd_ms", "dense_fa2_fwd_ms", "dense_fa2_bwd_ms", "cudnn_fwd_ms",
-           "cudnn_bwd_ms", "speedup_fwd", "speedup_bwd", "speedup_fwdbwd", "speedup_fwd_vs_cudnn",
+COLUMNS = ["impl", "T", "B", "n_seq", "input", "dtype", "Hq", "Hkv", "Dk", "Dv", "fwd_ms", "fwd_min_ms",
+           "fwd_max_ms", "bwd_ms", "bwd_min_ms", "bwd_max_ms", "fwdbwd_ms", "dense_fa2_fwd_ms", "dense_fa2_bwd_ms",
+           "cudnn_fwd_ms", "cudnn_bwd_ms", "speedup_fwd", "speedup_bwd", "speedup_fwdbwd", "speedup_fwd_vs_cudnn",
            "speedup_bwd_vs_cudnn", "peak_mib", "dense_peak_mib", "fwd_tflops", "plan", "status"]
 BREAKDOWN_COLUMNS = ["T", "shape", "step", "fwd_ms", "bwd_ms", "gflop_fwd", "gbytes_fwd", "fwd_tflops",
                      "fwd_tbps", "bwd_tflops", "provider"]
@@ -250,7 +254,8 @@ def plot(rows, path):
         return None
     fig, ax = plt.subplots(figsize=(7, 5))
     for shape in sorted({r["shape"] for r in rows}):
-        rs = [r for r in rows if r["shape"] == shape and r["impl"] == "nsa" and r["n_seq"] == 1 and r["fwd_ms"]]
+        rs = [r for r in rows if r["shape"] == shape and r["impl"] == "nsa" and r["input"] == "dense"
+              and r["dtype"] in ("bf16", "fp32") and r.get("fwd_ms")]
         if not rs:
             continue
         Ts = [r["T"] for r in rs]
@@ -277,6 +282,9 @@ def main(argv=None):
     ap.add_argument("--T", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--shapes", default="D128,Dk192Dv128")
     ap.add_argument("--packed", action="store_true", help="also a packed batch of 16 sequences of 4096")
+    ap.add_argument("--one-seq-packed", action="store_true", help="also each T as cu_seqlens=[0, T]")
+    ap.add_argument("--ragged", action="store_true", help="also 16 packed sequences of 3072 and 5120 in turn")
+    ap.add_argument("--dtypes", default="bf16", help="comma-separated: bf16, fp16")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--breakdown-T", type=int, default=None, help="T of the per-step breakdown (0: none)")
@@ -288,30 +296,47 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("bench_nsa needs a CUDA GPU (or --smoke for a tiny CPU run)")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    bad = [x for x in args.dtypes.split(",") if x not in dtypes]
+    if bad:
+        raise SystemExit(f"--dtypes takes {', '.join(dtypes)}, got {', '.join(bad)}")
+    run_dtypes = [x for x in dtypes if x in args.dtypes.split(",")] if device.type == "cuda" else ["fp32"]
+    dtypes["fp32"] = torch.float32
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     Ts = [64, 200] if args.smoke else [int(x) for x in args.T.split(",")]
     iters, warmup = (1, 0) if args.smoke else (args.iters, args.warmup)
     cfg = NSAConfig() if not args.smoke else NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, window=16)
     bT = max(Ts) if args.breakdown_T is None else args.breakdown_T
-    cases = [(s, T, 1) for s in shapes for T in Ts]
+    # (shape, dtype, T, sequences, input): "dense", "packed" (cu_seqlens of n_seq equal sequences) or
+    # "cu_one" (cu_seqlens=[0, T])
+    cases = [(s, dt, T, 1, "dense") for s in shapes for dt in run_dtypes for T in Ts]
+    if args.one_seq_packed:
+        cases += [(s, dt, T, 1, "cu_one") for s in shapes for dt in run_dtypes for T in Ts]
     if args.packed:
-        cases += [(s, 4096 * 16 if not args.smoke else 128, 16) for s in shapes]
+        cases += [(s, dt, 4096 * 16 if not args.smoke else 128, 16, "packed") for s in shapes for dt in run_dtypes]
+    if args.ragged:
+        cases += [(s, dt, 4096 * 16 if not args.smoke else 128, 16, "ragged") for s in shapes for dt in run_dtypes]
     fla_fn, fla_why = fla_peer()
     deadline = time.monotonic() + args.max_seconds
     meta = env_metadata(device)
     limits = hw_limits(meta.get("device_name") or "")
     rows, brows, plans = [], [], {}
-    for shape, T, n_seq in cases:
+    for shape, dt, T, n_seq, kind in cases:
         Hq, Hkv, Dk, Dv = shapes[shape]
-        base = {"T": T, "B": 1, "n_seq": n_seq, "Hq": Hq, "Hkv": Hkv, "Dk": Dk, "Dv": Dv, "shape": shape}
+        dtype = dtypes[dt]
+        base = {"T": T, "B": 1, "n_seq": n_seq, "input": kind, "dtype": dt, "Hq": Hq, "Hkv": Hkv, "Dk": Dk, "Dv": Dv,
+                "shape": shape}
         if time.monotonic() > deadline:
             rows.append({**base, "impl": "nsa", "status": "skipped: time budget"})
             continue
         q, k, v, gates = make_inputs(1, T, Hq, Hkv, Dk, Dv, dtype, device)
         cu = None
-        if n_seq > 1:
+        if kind in ("packed", "cu_one"):
             cu = torch.arange(0, T + 1, T // n_seq, dtype=torch.int32, device=device)
+        elif kind == "ragged":  # L/4 shorter and longer in turn: one length would run as a dense batch
+            L = T // n_seq
+            lengths = [L - L // 4 if i % 2 else L + L // 4 for i in range(n_seq)]
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
         def nsa_fwd(q, k, v, gates, cu=cu):
             return nsa_attention(q, k, v, gates, cfg, cu_seqlens=cu)
@@ -322,6 +347,9 @@ def main(argv=None):
             f, b, fb = timed_fwd_bwd(nsa_fwd, (q, k, v, gates), iters, warmup, device)
             served = {r["branch"]: r["backend"] for r in telemetry.snapshot()["counts"]}
             row["plan"] = " ".join(f"{s}={served.get(s, '-')}" for s in ("cmp", "topn", "sel", "win", "combine"))
+            events = {e["event"] for e in telemetry.snapshot()["events"]}
+            marks = ("as_batch", "dense_core", "fold_view", "fold_copy", "window_forward")
+            row["plan"] += "".join(f" {e}" for e in marks if e in events)
             row.update(fwd_ms=f["median_ms"], fwd_min_ms=f["min_ms"], fwd_max_ms=f["max_ms"], bwd_ms=b["median_ms"],
                        bwd_min_ms=b["min_ms"], bwd_max_ms=b["max_ms"], fwdbwd_ms=fb["median_ms"])
             row["peak_mib"] = peak_fwdbwd(nsa_fwd, (q, k, v, gates), device)
@@ -331,7 +359,7 @@ def main(argv=None):
         except torch.cuda.OutOfMemoryError as e:
             row["status"] = f"oom: {str(e).splitlines()[0][:120]}"
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        if device.type == "cuda":
+        if device.type == "cuda" and kind != "ragged":  # ragged: no dense form of the same work
             for name, key in (("flash", "dense_fa2"), ("cudnn", "cudnn")):
                 if name == "cudnn" and args.no_cudnn:
                     continue
@@ -363,16 +391,17 @@ def main(argv=None):
                 if a and b_:
                     row[f"speedup_{m}{suffix}"] = round(a / b_, 3)
         rows.append(row)
-        print(f"{shape:11} T={T:7} seqs={n_seq:2} nsa fwd {fmt(row.get('fwd_ms'))} bwd {fmt(row.get('bwd_ms'))} "
+        print(f"{shape:11} {dt} T={T:7} seqs={n_seq:2} {kind:6} nsa fwd {fmt(row.get('fwd_ms'))} "
+              f"bwd {fmt(row.get('bwd_ms'))} "
               f"| FA-2 fwd {fmt(row.get('dense_fa2_fwd_ms'))} bwd {fmt(row.get('dense_fa2_bwd_ms'))} "
               f"| cuDNN fwd {fmt(row.get('cudnn_fwd_ms'))} bwd {fmt(row.get('cudnn_bwd_ms'))} "
               f"| x{fmt(row.get('speedup_fwd'))} / x{fmt(row.get('speedup_bwd'))} / x{fmt(row.get('speedup_fwdbwd'))} "
               f"| peak {fmt(row.get('peak_mib'), 0)} vs {fmt(row.get('dense_peak_mib'), 0)} MiB "
               f"| {row.get('plan', '')} {row['status']}", flush=True)
-        if fla_fn is not None and n_seq == 1:
+        if fla_fn is not None and kind == "dense":
             rows.append({**base, "impl": "fla_parallel_nsa", "status": "not run: peer timing not wired for this "
                          "fla version (block = stride = 64 variant)"})
-        if n_seq == 1 and T == bT and bT:
+        if kind == "dense" and dt == run_dtypes[0] and T == bT and bT:
             b_rows, plans[f"{shape}-{T}"] = breakdown(cfg, q, k, v, gates, iters, warmup, device, shape)
             brows += b_rows
             for r in b_rows:

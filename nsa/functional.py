@@ -25,7 +25,9 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
 
     q [B, T, Hq, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], gates [B, T, Hq, 3] (cmp, sel, win; in
     [0, 1]). Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq / Hkv)).
-    cu_seqlens: int32 [n_seq + 1] offsets of sequences packed along T (then B == 1).
+    cu_seqlens: int32 [n_seq + 1] offsets of sequences packed along T (then B == 1). Sequences of one length
+    (empty ones aside; one sequence spanning T among them) run as the dense batch they are, on the faster
+    dense path.
     block_indices: [B, T, Hkv, n_sel] selection blocks to use instead of the top-n step (-1 = none).
     return_indices: also return the selected blocks [B, T, Hkv, n_sel] int32 (ascending, -1 padded).
     kv_cmp / kv_win: (k, v) for the compressed / sliding branches when they have their own projections
@@ -61,6 +63,11 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
         host_cu = check_cu_seqlens(cu_seqlens, shapes, q.device)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise NSAInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    n_rows = batch_rows(host_cu) if backend != "reference" else 0
+    if n_rows:
+        return _as_batch(n_rows, q, k, v, gates, config, block_indices=block_indices, return_indices=return_indices,
+                         backend=backend, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn,
+                         chunk_size=chunk_size)
 
     plan = make_plan(backend, q, k, v, config, kv_cmp=kv_cmp, kv_win=kv_win, cu_seqlens=cu_seqlens,
                      host_cu=host_cu, given_indices=block_indices is not None)
@@ -78,6 +85,37 @@ def nsa_attention(q, k, v, gates, config: NSAConfig, *, cu_seqlens=None, block_i
                        compress_fn=compress_fn, block_indices=block_indices, need_indices=return_indices,
                        chunk=chunk_size)
     return (out, indices) if return_indices else out
+
+
+def batch_rows(host_cu: list[int] | None) -> int:
+    """Packed sequences that are a dense batch: the number of non-empty sequences when they all have one
+    length (1 when there is none), else 0 (and 0 for dense input)."""
+    if host_cu is None:
+        return 0
+    lengths = {b - a for a, b in zip(host_cu, host_cu[1:]) if b > a}
+    if len(lengths) > 1:
+        return 0
+    return host_cu[-1] // lengths.pop() if lengths else 1
+
+
+def _as_batch(n_rows, q, k, v, gates, config, *, block_indices, return_indices, kv_cmp, kv_win, **kwargs):
+    """Packed sequences of one length (empty ones aside) as the dense batch [n_rows, L] they are: the same
+    function, on the dense call (q folded by view, the sliding branch's Triton kernels, cached plans, no
+    varlen copies). Every tensor is reshaped (a view where it is contiguous) and the result back to
+    [1, T, ...]."""
+    telemetry.event("pipeline", "packed", "as_batch")
+
+    def rows(x):
+        return None if x is None else x.reshape(n_rows, -1, *x.shape[2:])
+
+    pair = {name: None if kv is None else (rows(kv[0]), rows(kv[1])) for name, kv in (("kv_cmp", kv_cmp),
+                                                                                        ("kv_win", kv_win))}
+    res = nsa_attention(rows(q), rows(k), rows(v), rows(gates), config, block_indices=rows(block_indices),
+                        return_indices=return_indices, **pair, **kwargs)
+    if not return_indices:
+        return res.reshape(1, -1, *res.shape[2:])
+    out, idx = res
+    return out.reshape(1, -1, *out.shape[2:]), idx.reshape(1, -1, *idx.shape[2:])
 
 
 __all__ = ["nsa_attention", "BACKENDS", "telemetry"]

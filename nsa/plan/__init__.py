@@ -25,12 +25,12 @@ chunked loop.
 Executors: "fused" when cmp, sel and win all have whole-T implementations and the blocks come from the
 top-n kernel (or are given): a fixed sequence of GPU operations, no Python loop over queries
 (nsa.run.fused). A fused plan has one more step, core: provider "dense_core" where the steps run as one
-autograd node (nsa.run.dense_core: dense input on FA-2-family providers, rules.dense_core_guard), else
-"separate" with the reason it does not apply (never a fallback: the same steps run as separate
-operations). In the dense core of backend="auto" the win step's provider is "triton_window" where NSA's
-Triton window kernels serve the sliding branch (rules.window_triton_guard; elsewhere, and with a forced
-backend, its FA-2 provider serves it); the core step holds that FA-2 provider for the compressed branch's
-tail tokens. Otherwise "chunked": the
+autograd node (nsa.run.dense_core: cmp and win on FA-2-family providers and the rest on Triton, dense and
+packed input, rules.dense_core_guard), else "separate" with the reason it does not apply (never a fallback:
+the same steps run as separate operations). In the dense core of backend="auto" the win step's provider is
+"triton_window" where NSA's Triton window kernels serve the sliding branch (dense input only;
+rules.window_triton_guard; elsewhere, and with a forced backend, its FA-2 provider serves it); the core step
+holds that FA-2 provider for the compressed branch's tail tokens. Otherwise "chunked": the
 torch path over query chunks, with whatever whole-T implementations exist as hooks (nsa.run.chunked).
 backend="torch" is always chunked; backend="reference" is the fp64 oracle.
 
@@ -320,7 +320,9 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             # The compressed branch's tail tokens run on the sliding branch's FA-2 provider (nsa.run.dense_core).
             steps["core"] = Step("dense_core", "ok", impl=steps["win"].impl)
             # A forced backend serves win on the provider asked for; auto takes the Triton window where it runs.
-            if backend == "auto" and rules.window_triton_guard(tg, q, *(kv_win or (k, v))) is None:
+            # The Triton window kernels take dense input only: packed input keeps the provider's varlen call.
+            if (backend == "auto" and cu_seqlens is None
+                    and rules.window_triton_guard(tg, q, *(kv_win or (k, v))) is None):
                 steps["win"] = Step("triton_window", "ok")
     for name, s in steps.items():
         if timing and s.fn is not None:

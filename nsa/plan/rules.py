@@ -293,37 +293,24 @@ def chunk_budget(device_type: str, toggles: Toggles) -> int:
 
 # --- the dense core and its sliding branch on the Triton window kernels -----------------------------------
 
-DENSE_CORE_MIN_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
-
-
 def dense_core_guard(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) -> Failure | None:
-    """Why the dense core (nsa.run.dense_core) does not serve this fused call, or None where it does: it
-    needs dense input, cmp and win on an FA-2-family provider with no dtype cast or head-dim padding, sel,
-    top-n (or given indices) and combine on Triton, a q whose tokens can be viewed as rows, at least two
-    rows. NSA_DENSE_CORE=0 turns it off. Reasons: disabled, packed, provider, dtype, steps, head_dim,
-    q_stride, short (never a fallback: the same steps run as separate operations, nsa.telemetry)."""
-    from ..branches.compressed.fold import view_foldable, view_rows
-
+    """Why the dense core (nsa.run.dense_core) does not serve this fused call, or None where it does: cmp and
+    win on an FA-2-family provider, sel, top-n (or given indices) and combine on Triton. Dense or packed input,
+    any head dims and dtypes those providers serve: the core folds the compressed branch by view where it can
+    and runs the provider's own call elsewhere (nsa.run.dense_core.view_fold). NSA_DENSE_CORE=0 turns it off;
+    NSA_FA2_FORCE_VARLEN=1 (varlen kernels for dense input, a check of those kernels) keeps the separate
+    operations. Reasons: disabled, force_varlen, provider, steps (never a fallback: the same steps run as
+    separate operations, nsa.telemetry)."""
     if not toggles.dense_core:
         return Failure("disabled", "NSA_DENSE_CORE=0")
-    if ctx.packed or toggles.force_varlen:
-        return Failure("packed", "packed input (cu_seqlens) or NSA_FA2_FORCE_VARLEN=1")
+    if toggles.force_varlen:
+        return Failure("force_varlen", "NSA_FA2_FORCE_VARLEN=1")
     for step in ("cmp", "win"):
         if steps[step].impl is None:
             return Failure("provider", f"the {step} step is not on an FA-2-family provider")
-        prov = steps[step].impl[0]
-        if ctx.dtype not in prov.kernel_dtypes:
-            return Failure("dtype", f"{ctx.dtype} is cast for {prov.name}")
     if steps["sel"].provider != "triton" or steps["combine"].provider != "triton" or not (
             given_indices or steps["topn"].provider == "triton"):
         return Failure("steps", "sel, top-n and combine are not all on Triton")
-    if not (ctx.Dk == ctx.Dv == padded_head_dim(ctx.Dk, ctx.Dv)):
-        return Failure("head_dim", f"head dims Dk={ctx.Dk}, Dv={ctx.Dv} are padded for FA-2")
-    if not view_foldable(q):
-        return Failure("q_stride", "q's token stride is not Hq times its head stride")
-    if view_rows(ctx.T, cfg)[1] < DENSE_CORE_MIN_ROWS:
-        return Failure("short", f"T={ctx.T} has fewer than {DENSE_CORE_MIN_ROWS} rows of {cfg.stride_cmp} tokens "
-                       "after the first block")
     return None
 
 

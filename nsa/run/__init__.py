@@ -1,4 +1,4 @@
-"""Running a Plan (nsa.plan): the fused GPU pipeline (fused.py, and for dense input its one-autograd-node
+"""Running a Plan (nsa.plan): the fused GPU pipeline (fused.py, and its one-autograd-node
 form, dense_core.py), the chunked torch path (chunked.py) and the decode step (decode_step.py). Every step
 is a branch function (nsa.branches) that planning bound into the Plan; nothing here decides.
 

@@ -1,7 +1,8 @@
 """The fused executor: every step on its whole-T implementation, a fixed sequence of GPU operations (no
 Python loop over queries, no host synchronisation for dense input). The backward is each operation's own
 (FA-2 for cmp and win, the Triton selection backward, the compression's and the combine's); where the plan's
-core step is "dense_core" the steps run as one autograd node instead (nsa.run.dense_core)."""
+core step is "dense_core" (cmp and win on FA-2-family providers, the rest on Triton, dense or packed input)
+the steps run as one autograd node instead (nsa.run.dense_core)."""
 
 from __future__ import annotations
 

@@ -437,21 +437,97 @@ def test_dense_core_given_blocks_and_separate_window_kv(fused, gen):
         assert rel_err(a, b) <= 2e-5, name
 
 
-@pytest.mark.parametrize("why,reason", [("short", "short"), ("packed", "packed"), ("padded_heads", "head_dim"),
-                                        ("transposed_q", "q_stride")])
-def test_dense_core_not_used_where_it_does_not_apply(fused, gen, why, reason):
-    """The fused steps run as separate operations; telemetry's core row says why, and it is not a fallback."""
+def _fold_events():
+    """{"fold_view" | "fold_copy": calls}: which form the core's compressed branch took."""
+    return {e["event"]: e["calls"] for e in telemetry.snapshot()["events"] if e["branch"] == "cmp"
+            and e["event"].startswith("fold_")}
+
+
+@pytest.mark.parametrize("why,fold", [("short", "fold_copy"), ("packed", "fold_copy"), ("v_narrower", "fold_view"),
+                                      ("v_wider", "fold_copy"), ("transposed_q", "fold_copy")])
+def test_dense_core_serves_every_fused_call(fused, gen, why, fold):
+    """Where q cannot be viewed as rows (one row only, packed input, Dk < Dv, a transposed q) the core runs
+    the provider's own compressed call; Dk > Dv folds by view with V padded. Same result as the torch path."""
     T = 12 if why == "short" else 40  # l8d4: rows start at token 7, two rows need T >= 15
-    Dv = 8 if why == "padded_heads" else 16
-    q, k, v, g = make_inputs(gen, 1, T, 4, 2, 16, Dv, torch.float32)
+    Dk, Dv = {"v_narrower": (16, 8), "v_wider": (8, 16)}.get(why, (16, 16))
+    q, k, v, g = make_inputs(gen, 2 if why == "v_wider" else 1, T, 4, 2, Dk, Dv, torch.float32, True)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32) if why == "packed" else None
     if why == "transposed_q":
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    _auto_matches_torch_path(gen, q, k, v, g, CFG, cu)
+    assert_fused()
+    assert _core_events() == 1 and _fold_events() == {fold: 1}
+    assert backend_fakes.counts()[("core", "dense_core", "ok")] == 1
+
+
+def _core_against_fp64(gen, cfg, lengths, Hq, Hkv, Dk, Dv, dtype, tol, fold, B=1):
+    """The core (its event, the fold form `fold`, no fallback) against float64 on the same rounded inputs:
+    outputs against nsa_reference with the core's blocks, gradients of q, k, v, gates against the fp64 torch
+    path with those blocks, the blocks against the reference's own (fp32: equal). `lengths`: packed sequence
+    lengths, or an int T (dense)."""
+    packed = not isinstance(lengths, int)
+    T = sum(lengths) if packed else lengths
+    x = make_inputs(gen, B, T, Hq, Hkv, Dk, Dv, dtype, True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if packed else None
     telemetry.reset()
-    got = nsa_attention(q, k, v, g, CFG, cu_seqlens=cu)
-    assert _core_events() == 0 and telemetry.served("sel") == {"triton": 1}
-    snap = telemetry.snapshot()
-    assert backend_fakes.counts()[("core", "separate", reason)] == 1
-    assert snap["fallbacks"] == sum(r["calls"] for r in snap["counts"]
-                                    if r["branch"] != "core" and not telemetry.is_normal(r["reason"]))
-    assert rel_err(got, nsa_attention(q, k, v, g, CFG, cu_seqlens=cu, backend="torch")) <= 2e-5
+    out, idx = nsa_attention(*x, cfg, cu_seqlens=cu, return_indices=True)
+    assert_fused()
+    assert _core_events() == 1 and _fold_events() == {fold: 1}
+    hi = [t.detach().double().requires_grad_() for t in x]
+    ref = nsa_reference(*hi, cfg, cu_seqlens=cu)
+    if dtype == torch.float32:
+        assert torch.equal(idx, ref.indices)
+    else:  # rounding may flip near-ties: most blocks agree
+        assert (idx == ref.indices).float().mean() > 0.9
+    assert rel_err(out, nsa_reference(*hi, cfg, cu_seqlens=cu, block_indices=idx).out) <= tol
+    want = nsa_attention(*hi, cfg, cu_seqlens=cu, block_indices=idx, backend="torch")
+    go = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for name, a, b in zip("qkvg", torch.autograd.grad(out, x, go.to(dtype)), torch.autograd.grad(want, hi, go)):
+        assert rel_err(a, b) <= tol, name
+
+
+# Packed: empty and length-1 sequences, lengths that are not multiples of d, sequences shorter than l, and
+# one long enough for selection blocks of its own beyond the first.
+PACKED_LENGTHS = [0, 1, 13, 0, 30, 6]
+
+
+@pytest.mark.parametrize("Dk,Dv", [(16, 16), (24, 16)], ids=["D16", "Dk24-Dv16"])
+def test_dense_core_packed_against_fp64(fused, gen, Dk, Dv):
+    _core_against_fp64(gen, CFG, PACKED_LENGTHS, 4, 2, Dk, Dv, torch.float32, 2e-5, "fold_copy")
+
+
+def test_dense_core_packed_without_blocks(fused, gen):
+    """Every sequence shorter than l: no compressed block anywhere (the compressed branch is a constant 0)."""
+    _core_against_fp64(gen, CFG, [0, 3, 7, 1], 2, 1, 8, 8, torch.float32, 2e-5, "fold_copy")
+
+
+@pytest.mark.parametrize("T", [29, 31], ids=["tail", "no-tail"])
+def test_dense_core_dk_wider_than_dv_against_fp64(fused, gen, T):
+    """Dk = 1.5 Dv (the paper's 192 / 128): rows by view with V zero-padded to Dk, the tail likewise."""
+    _core_against_fp64(gen, CFG, T, 4, 2, 24, 16, torch.float32, 2e-5, "fold_view", B=2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_dense_core_fp16_against_fp64(fused, gen, packed):
+    _core_against_fp64(gen, CFG, PACKED_LENGTHS if packed else 29, 4, 2, 16, 16, torch.float16, 2e-2,
+                       "fold_copy" if packed else "fold_view")
+
+
+@pytest.mark.parametrize("lengths", [[29], [0, 17, 0, 17, 17]], ids=["one", "three-among-empty"])
+def test_packed_sequences_of_one_length_are_the_dense_batch(fused, gen, lengths):
+    """cu_seqlens whose non-empty sequences share one length L runs exactly the dense call on [n, L]: the
+    same bits, outputs, indices and gradients, the same plan (the compressed branch folded by view)."""
+    T, n = sum(lengths), sum(1 for x in lengths if x)
+    x = make_inputs(gen, 1, T, 4, 2, 16, 16, torch.float32, True)
+    go = torch.randn(1, T, 4, 16, generator=gen)
+    dense, dense_idx = nsa_attention(*(t.view(n, T // n, *t.shape[2:]) for t in x), CFG, return_indices=True)
+    want = torch.autograd.grad(dense, x, go.view(dense.shape))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    telemetry.reset()
+    got, idx = nsa_attention(*x, CFG, cu_seqlens=cu, return_indices=True)
+    assert _fold_events() == {"fold_view": 1} and _core_events() == 1
+    assert {(e["backend"], e["event"]) for e in telemetry.snapshot()["events"]} >= {("packed", "as_batch")}
+    assert torch.equal(got, dense.view(got.shape)) and torch.equal(idx, dense_idx.view(idx.shape))
+    for name, a, b in zip("qkvg", torch.autograd.grad(got, x, go), want):
+        assert torch.equal(a, b), name
+    assert rel_err(got, nsa_reference(*x, CFG, cu_seqlens=cu).out) <= 2e-5

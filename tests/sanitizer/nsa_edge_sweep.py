@@ -5,9 +5,10 @@ tests/sanitizer/test_memcheck.py (`nox -s sanitizer`), by hand:
 
 Every shape the GPU tests use at its edges: T in {1, l-1, l, 65, 1000, 4097}, G in {1, 2, 4, 8, 16, 32},
 (Dk, Dv) in {(64,64), (128,128), (192,128), (256,256)}, packed input with empty and length-1 sequences,
-batches, bf16 and fp16, the top-n and selection kernels alone on fp32, and the sliding-window kernels
-alone. Small head counts keep it quick under the sanitizer. Exit status 1 when an output or gradient is
-not finite or the fused path did not run.
+batches, bf16 and fp16, the dense core's forms (rows by view with V padded, the provider's call for packed
+input and Dk < Dv, one packed sequence), the top-n and selection kernels alone on fp32, and the
+sliding-window kernels alone. Small head counts keep it quick under the sanitizer. Exit status 1 when an
+output or gradient is not finite or the fused path did not run as one node.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def cases():
     yield [0, 1, 31, 32, 0, 700, 65, 1], 1, None, 16, 2, 128, 128, torch.bfloat16
     yield [0, 0], 1, None, 4, 1, 64, 64, torch.float16
     yield [4097, 1], 1, None, 4, 1, 192, 128, torch.bfloat16
+    # the dense core's other forms: packed with Dk != Dv and fp16, one packed sequence (the dense call),
+    # V padded in the folded rows (fp16, with and without tail tokens), Dk < Dv
+    yield [0, 1, 31, 32, 0, 700, 65, 1], 1, None, 8, 2, 192, 128, torch.float16
+    yield [0, 4097, 0], 1, None, 8, 2, 128, 128, torch.bfloat16
+    for T in (4097, 4111):
+        yield None, 1, T, 8, 2, 128, 64, torch.float16
+    yield None, 2, 1000, 8, 2, 64, 128, torch.bfloat16
 
 
 def main() -> int:
@@ -56,11 +64,14 @@ def main() -> int:
         torch.cuda.synchronize()
         served = {s: sorted(telemetry.served(s)) for s in ("cmp", "topn", "sel", "win", "combine")}
         fused = served["sel"] == ["triton"] and served["combine"] == ["triton"] and served["topn"] == ["triton"]
-        ok = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(x).all()) for x in grads) and (fused or T == 0)
+        events = telemetry.snapshot()["events"]
+        core = any(e["event"] == "dense_core" for e in events)
+        fold = [e["event"] for e in events if e["branch"] == "cmp" and e["event"].startswith("fold_")]
+        ok = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(x).all()) for x in grads) and (
+            (fused and core) or T == 0)
         bad += not ok
-        core = any(e["event"] == "dense_core" for e in telemetry.snapshot()["events"])
         print(f"lengths={lengths} B={B} T={T} Hq={Hq} Hkv={Hkv} D={Dk}/{Dv} {dtype}: {'ok' if ok else 'BAD'} {served}"
-              f"{' dense_core' if core else ''}", flush=True)
+              f"{' dense_core ' + ','.join(fold) if core else ''}", flush=True)
     # The kernels alone in fp32 (the fused pipeline needs fp16/bf16 for FA-2).
     from nsa.branches.selected.naive import top_n_blocks
     from nsa.kernels.triton.selection import selected_attention_triton

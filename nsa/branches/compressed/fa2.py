@@ -1,5 +1,6 @@
 """Compressed branch on a FlashAttention-2 kernel (flash_attn or torch_flash), by folding queries into
-heads (fold.py): one bottom-right-causal call over the compressed K/V, no K/V copy. Signature after
+heads (fold.py): one bottom-right-causal call over the compressed K/V (dense: no K/V copy; varlen: K/V
+expanded d times by head, 1/G of q's size, so that q's rows need no permuting copy). Signature after
 binding the provider: `(q, k_cmp, v_cmp, layout, cfg, scale) -> (o, lse)`."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from ...config import NSAConfig
 from ...kernels.fa2.base import Fa2Provider
 from ...toggles import Toggles
 from ..context import CallContext
-from ..fa2_call import prep
-from .fold import fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
+from ..fa2_call import padded_head_dim, prep
+from .fold import expand_kv_varlen, fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
 
 
 def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_cmp, v_cmp, layout,
@@ -24,17 +25,20 @@ def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_c
         host = ctx.host_cu if ctx.packed else [b * T for b in range(B + 1)]
         plan = plan_varlen(host, B * T, Hkv, G, cfg, q.device)
         q_in = q.reshape(1, B * T, Hq, q.shape[-1])
-        k_in = k_cmp.reshape(1, -1, Hkv, k_cmp.shape[-1])[:, :plan.n_cmp]
-        v_in = v_cmp.reshape(1, -1, Hkv, Dv)[:, :plan.n_cmp]
+        k_in = k_cmp.reshape(1, -1, Hkv, k_cmp.shape[-1])
+        v_in = v_cmp.reshape(1, -1, Hkv, Dv)
     else:
         plan = plan_dense(B, T, Hkv, G, cfg)
         q_in, k_in, v_in = q, k_cmp, v_cmp
     if plan.n_cmp == 0 or T == 0:  # no block anywhere: every row is empty
         return q.new_zeros(B, T, Hq, Dv), q.new_full((B, T, Hq), float("-inf"), dtype=torch.float32)
+    if varlen:  # K/V expanded d times by head (fold.py: the varlen layout), V padded to Dk in the same copy
+        D = padded_head_dim(k_in.shape[-1], Dv)
+        k_in, v_in = expand_kv_varlen(k_in, plan, D), expand_kv_varlen(v_in, plan, D)
     qf, kf, vf = prep(prov, (fold_q(q_in, plan), k_in, v_in), ctx, "cmp")
     skip = 0
     if varlen:
-        o, lse = prov.attn(qf, kf[0], vf[0], causal=True, left=-1, scale=scale,
+        o, lse = prov.attn(qf, kf, vf, causal=True, left=-1, scale=scale,
                            varlen=(plan.cu_q, plan.cu_k, plan.max_q, plan.max_k), need_lse=True)
     else:
         # The first l/d groups see no block: not computed, so the call is square (Ng - l/d == T_cmp), where

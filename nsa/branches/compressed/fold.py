@@ -10,13 +10,19 @@ bottom-right corner (FlashAttention-2's convention for seqlen_q > seqlen_k) with
 seqlen_q = Ng groups and seqlen_k = T_cmp blocks. Groups m < l/d see nothing (the kernels return 0 and
 an LSE of +inf there; `unfold_lse` maps every non-finite LSE to -inf).
 
-Layout (no K/V copy at all): the d queries and the G query heads of a KV head form the heads of a
-group row, ordered (kv head, r, g):
-    dense   q [B, T, Hq, D] -> pad -> [B, Ng, d, Hkv, G, D] -> [B, Ng, Hkv*d*G, D]
-    varlen  q [1, T, Hq, D] -> rows  -> [NG*d, Hq, D] -> [NG, d, Hkv, G, D] -> [NG, Hkv*d*G, D]
+Layout, dense (no K/V copy at all): the d queries and the G query heads of a KV head form the heads of
+a group row, ordered (kv head, r, g):
+    q [B, T, Hq, D] -> pad -> [B, Ng, d, Hkv, G, D] -> [B, Ng, Hkv*d*G, D]
 and K/V stay [.., T_cmp, Hkv, D]: query head h' = kv*d*G + r*G + g reads KV head h' // (d*G) = kv,
 i.e. plain GQA with group size d*G, which every FA-2 kernel supports natively. The only copy is of q
 (one pass, with the pad rows) and of the output back.
+
+Layout, varlen: the tokens go to their folded rows in one copy and the heads stay in q's order, so a
+group row is a view of d rows, ordered (r, query head); K/V get d copies per block (KV head r*Hkv + kv,
+1/G of q's size), the GQA of the view fold below:
+    q [1, T, Hq, D] -> rows -> [NG*d, Hq, D] = [NG, d*Hq, D]        k [n_cmp, Hkv, D] -> [n_cmp, d*Hkv, D]
+Query head r*Hq + h reads KV head (r*Hq + h) // G = r*Hkv + h // G. No permuting copy of q, of the
+output or of their gradients (each a full pass over [T, Hq, D]); the K/V copy is G times smaller.
 
 Varlen: sequence s (start c_s, length L_s) owns groups [g_s, g_s + Ng_s) and compressed slots
 [k_s, k_s + T_cmp_s) (nsa.layout.packed_layout allots slots in sequence order, so the valid slots
@@ -82,17 +88,23 @@ def plan_varlen(host_cu: list[int], T: int, Hkv: int, G: int, cfg: NSAConfig, de
 
 
 def fold_q(q: torch.Tensor, p: FoldPlan) -> torch.Tensor:
-    """q [B, T, Hq, D] -> dense [B, Ng, Hkv*d*G, D] / varlen [NG, Hkv*d*G, D] (contiguous)."""
+    """q [B, T, Hq, D] -> dense [B, Ng, Hkv*d*G, D] heads (kv, r, g) / varlen [NG, d*Hq, D] heads (r, h)
+    (contiguous)."""
     D = q.shape[-1]
     if not p.varlen:
         pad_back = p.n_groups * p.d - p.T - 1
         qp = torch.nn.functional.pad(q, (0, 0, 0, 0, 1, pad_back))  # [B, Ng*d, Hq, D]
         qp = qp.view(p.B, p.n_groups, p.d, p.Hkv, p.G, D).permute(0, 1, 3, 2, 4, 5)
         return qp.reshape(p.B, p.n_groups, p.heads, D)
-    buf = q.new_zeros(p.n_groups * p.d, q.shape[2], D)
-    buf = buf.index_copy(0, p.rows, q[0])
-    buf = buf.view(p.n_groups, p.d, p.Hkv, p.G, D).permute(0, 2, 1, 3, 4)
-    return buf.reshape(p.n_groups, p.heads, D)
+    # In place into a fresh buffer (the out-of-place index_copy would copy the zeros once more first).
+    buf = q.new_zeros(p.n_groups * p.d, q.shape[2], D).index_copy_(0, p.rows, q[0])
+    return buf.view(p.n_groups, p.heads, D)
+
+
+def expand_kv_varlen(x: torch.Tensor, p: FoldPlan, head_dim: int | None = None) -> torch.Tensor:
+    """The valid compressed slots of x [1, N, Hkv, D] as [n_cmp, d*Hkv, head_dim], KV head r*Hkv + kv (a
+    copy, zero-padded to head_dim as in expand_kv): the K/V of the varlen fold (fold_q)."""
+    return expand_kv(x[:, :p.n_cmp], p.n_cmp, p.d, head_dim)[0]
 
 
 def unfold_o(o: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
@@ -109,9 +121,7 @@ def unfold_o(o: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
         out[:, :z].zero_()
         out[:, z:].view(p.B, ng, p.d, p.Hkv, p.G, Dv).copy_(o)
         return out[:, :p.T]
-    o = o.view(p.n_groups, p.Hkv, p.d, p.G, Dv).permute(0, 2, 1, 3, 4)
-    o = o.reshape(p.n_groups * p.d, p.Hkv * p.G, Dv)
-    return o.index_select(0, p.rows)[None]
+    return o.reshape(p.n_groups * p.d, p.Hkv * p.G, Dv).index_select(0, p.rows)[None]
 
 
 def unfold_lse(lse: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
@@ -125,7 +135,7 @@ def unfold_lse(lse: torch.Tensor, p: FoldPlan, skip: int = 0) -> torch.Tensor:
             lse = torch.cat([lse.new_full((p.B, skip * p.d, p.Hkv * p.G), float("-inf")), lse], dim=1)
         lse = lse[:, 1:p.T + 1]
     else:
-        lse = lse.view(p.Hkv, p.d, p.G, p.n_groups).permute(3, 1, 0, 2)
+        lse = lse.view(p.d, p.Hkv * p.G, p.n_groups).permute(2, 0, 1)
         lse = lse.reshape(p.n_groups * p.d, p.Hkv * p.G).index_select(0, p.rows)[None]
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
 
@@ -159,10 +169,18 @@ def fold_q_view(q: torch.Tensor, t0: int, n_rows: int, d: int) -> torch.Tensor:
     return q[:, t0:t0 + n_rows * d].view(B, n_rows, d * Hq, D)
 
 
-def expand_kv(x: torch.Tensor, n_rows: int, d: int) -> torch.Tensor:
-    """Blocks [0, n_rows) of x [B, Nc, Hkv, D] as [B, n_rows, d*Hkv, D], KV head r*Hkv + kv (a copy)."""
+def expand_kv(x: torch.Tensor, n_rows: int, d: int, head_dim: int | None = None) -> torch.Tensor:
+    """Blocks [0, n_rows) of x [B, Nc, Hkv, D] as [B, n_rows, d*Hkv, head_dim], KV head r*Hkv + kv (a copy).
+    head_dim > D zero-pads the head dim in the same copy (V for an FA-2 call with Dk > Dv: FA-2 takes one
+    head dim for q, k and v)."""
     B, _, Hkv, D = x.shape
-    return x[:, :n_rows, None].expand(B, n_rows, d, Hkv, D).reshape(B, n_rows, d * Hkv, D)
+    rows = x[:, :n_rows, None].expand(B, n_rows, d, Hkv, D)
+    if head_dim is None or head_dim == D:
+        return rows.reshape(B, n_rows, d * Hkv, D)
+    out = x.new_empty(B, n_rows, d, Hkv, head_dim)
+    out[..., D:].zero_()
+    out[..., :D] = rows
+    return out.view(B, n_rows, d * Hkv, head_dim)
 
 
 def unfold_view_o(o: torch.Tensor, Hq: int) -> torch.Tensor:

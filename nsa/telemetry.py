@@ -17,6 +17,8 @@ import threading
 import time
 from collections import Counter
 
+from .compiling import compiling, trace_constant
+
 log = logging.getLogger("nsa")
 _lock = threading.Lock()
 _counts: Counter = Counter()
@@ -32,6 +34,7 @@ def _log_limit() -> int:
         return 5
 
 
+@trace_constant  # under torch.compile: counted once per traced graph (nsa.compiling)
 def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
     key = (branch, backend, reason)
     with _lock:
@@ -44,6 +47,7 @@ def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
         log.warning("nsa.route branch=%s backend=%s reason=%s %s", branch, backend, reason, extra)
 
 
+@trace_constant
 def event(branch: str, backend: str, name: str) -> None:
     """Count something a provider did that is not a routing decision (e.g. "contiguous_copy")."""
     with _lock:
@@ -62,6 +66,8 @@ def timing_on() -> bool:
     call passes here, the torch backend's too, so this is also where retired toggles are warned about."""
     from .toggles import env_bool, warn_retired
 
+    if compiling():  # no synchronized timers inside a compiled graph (docs/compile.md)
+        return False
     warn_retired()
     return env_bool("NSA_DEBUG_TIMING", False)
 
@@ -132,9 +138,10 @@ def times_now() -> dict:
         return dict(_times)
 
 
-# Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), or a
-# decode step ran the torch branches on the cache ("decode").
-NORMAL_REASONS = ("ok", "decode")
+# Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), a
+# decode step ran the torch branches on the cache ("decode"), or torch.compile traced the fused pipeline
+# as separate operators ("compile": nsa.plan.rules.COMPILE_NO_DENSE_CORE).
+NORMAL_REASONS = ("ok", "decode", "compile")
 
 
 def is_normal(reason: str) -> bool:

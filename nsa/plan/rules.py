@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..branches.fa2_call import padded_head_dim
+from ..compiling import compiling
 from ..kernels.device import ADA, Failure, device_capability
 from ..kernels.fa2.base import FA2_DTYPES
 from ..toggles import Toggles, env_bool
@@ -165,9 +166,16 @@ def fa2_guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure
     if fail:
         return fail
     if ctx.packed:
-        fail = check_cu_seqlens(ctx.cu_seqlens, ctx.host_cu, ctx.T, ctx.device)
-        if fail:
-            return fail
+        if ctx.host_cu is None and compiling():
+            # In a compiled graph the offsets stay on the device (nsa.validation checks them there), and the
+            # compressed branch's varlen fold is planned from their host copy (compressed.fold.plan_varlen).
+            if branch == "cmp":
+                return Failure("compile_packed", "torch.compile: packed input's offsets are not on the host in "
+                               "a compiled graph; the compressed branch's varlen FA-2 call is planned from them")
+        else:
+            fail = check_cu_seqlens(ctx.cu_seqlens, ctx.host_cu, ctx.T, ctx.device)
+            if fail:
+                return fail
         if toggles.force_dense:
             return Failure("force_dense_packed", "NSA_FA2_FORCE_DENSE=1 but the input is packed (cu_seqlens)")
     if not forced:
@@ -278,17 +286,23 @@ def decode_guard(capability, q, cache, needs_grad: bool) -> Failure | None:
 # --- the dense core and its sliding branch on the Triton window kernels -----------------------------------
 
 DENSE_CORE_MIN_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
+# Under torch.compile the fused pipeline runs as separate operators (each Triton kernel a custom operator,
+# nsa.kernels.ops), which Dynamo traces; planning records this reason (telemetry: pipeline / separate_ops).
+COMPILE_NO_DENSE_CORE = ("torch.compile: the dense core's backward calls torch.autograd.grad on inner graphs, "
+                         "which Dynamo cannot trace; its steps run as separate custom operators")
 
 
 def dense_core_applies(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) -> tuple[bool, str]:
     """(whether the dense core (nsa.run.dense_core) serves this fused call, why not): dense input, cmp and
     win on an FA-2-family provider with no dtype cast or head-dim padding, sel, top-n (or given indices)
     and combine on Triton, a q whose tokens can be viewed as rows, at least two rows. NSA_DENSE_CORE=0
-    turns it off."""
+    turns it off; under torch.compile it never applies (COMPILE_NO_DENSE_CORE)."""
     from ..branches.compressed.fold import view_foldable, view_rows
 
     if not toggles.dense_core:
         return False, "NSA_DENSE_CORE=0"
+    if compiling():
+        return False, COMPILE_NO_DENSE_CORE
     if ctx.packed or toggles.force_varlen:
         return False, "packed input (cu_seqlens) or NSA_FA2_FORCE_VARLEN=1"
     for step in ("cmp", "win"):

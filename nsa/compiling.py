@@ -22,8 +22,14 @@ def trace_constant(fn):
     """Mark a host helper whose result depends only on its arguments (constants at trace time) and on process
     state that is fixed for a compiled graph (the environment, the GPU, caches): under torch.compile it runs
     once, when the caller is traced, and its result is a constant of the graph (torch.compiler's
-    assume_constant_result); in eager mode it is the plain function."""
-    return torch.compiler.assume_constant_result(fn)
+    assume_constant_result); in eager mode it is the plain function.
+
+    The mark is the attribute torch.compiler.assume_constant_result sets, set here directly: calling it
+    imports torch._dynamo (and with it triton) at import time of every module that uses this decorator,
+    about a second of `import nsa`, and before tests that must load the Triton kernels for Triton's
+    interpreter (tests/cpu/test_compile.py checks that both set the same mark)."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 __all__ = ["compiling", "trace_constant"]

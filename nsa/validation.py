@@ -104,8 +104,9 @@ def check_cu_seqlens(cu_seqlens, shapes: Shapes, device: torch.device) -> list[i
         # bounds every sequence's length by T (nsa.plan: CallContext.max_len).
         cu = cu_seqlens
         ok = (cu[0] == 0) & (cu[1:] >= cu[:-1]).all() & (cu[-1] == shapes.T)
-        torch._assert_async(ok, f"cu_seqlens must start at 0, be non-decreasing and end at the packed length "
-                                f"T={shapes.T}")
+        # (no T in the message: formatting it would fix a dynamic length to this trace's value)
+        torch._assert_async(ok, "cu_seqlens must start at 0, be non-decreasing and end at the packed length T "
+                                "(q.shape[1])")
         return None
     host = cu_seqlens.tolist()
     if host[0] != 0:

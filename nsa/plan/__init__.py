@@ -248,7 +248,7 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
     if sel_backend not in SEL_BACKENDS:
         raise NSAInputError(f"sel_backend must be one of {SEL_BACKENDS}, got {sel_backend!r}")
     B, T, Hq, Dk = q.shape
-    timing = tg.debug_timing
+    timing = tg.debug_timing and not compiling()  # no synchronized timers inside a compiled graph
 
     def ctx_for(kb, vb, grad_tensors):
         shapes = Shapes(B, T, Hq, kb.shape[2], Dk, vb.shape[3])

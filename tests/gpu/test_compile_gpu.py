@@ -22,7 +22,10 @@ from nsa.model import LlamaBlockNSA
 pytestmark = MARKS
 
 SMALL = NSAConfig(block_cmp=32, stride_cmp=16, block_sel=64, n_sel=4, n_init=1, n_local=2, window=64)
-TOL, GRAD_TOL = 3e-2, 5e-2  # bf16
+# bf16, as a norm ratio ||got - want|| / ||want||: the compiled graph rounds the projections and the compressed
+# LSE in another order than eager mode, so a near-tie of top-n may pick another block for a few queries
+# (a large error there, tiny in the norm); the other GPU tests compare the kernels with the same blocks.
+TOL, GRAD_TOL = 2e-2, 3e-2
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +38,9 @@ def fresh_dynamo():
 
 
 def err(got, want):
-    """max |got - want| / max(1, max |want|)."""
+    """||got - want|| / max(||want||, 1e-6) in fp64."""
     got, want = got.detach().double(), want.detach().double()
-    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() if want.numel() else 0.0
+    return ((got - want).norm() / want.norm().clamp(min=1e-6)).item() if want.numel() else 0.0
 
 
 def make(gen, B, T, Hq, Hkv, D, dtype=torch.bfloat16):

@@ -28,7 +28,7 @@ from .interp import kernel_modules
 # load afterwards fail in Triton's interpreter ("Cannot call @triton.jit'd outside of the scope of a
 # kernel"), and the *_interp test modules load theirs when collected. The kernels this file runs load now.
 try:
-    kernel_modules("combine", "topn", "selection", probe="topn._topn_kernel")
+    kernel_modules("combine", "topn", "selection", "window", probe="topn._topn_kernel")
     NO_INTERP = None
 except pytest.skip.Exception as e:  # the torch-path tests run anyway; the custom-operator ones say why not
     NO_INTERP = str(e)
@@ -251,12 +251,16 @@ def test_trace_constant_sets_dynamos_mark():
     assert trace_constant(lambda: 0)._dynamo_marked_constant is True
 
 
-@pytest.mark.parametrize("name", ["sel_fwd", "topn", "combine_fwd"])
+@pytest.mark.parametrize("name", ["sel_fwd", "topn", "combine_fwd", "window_fwd"])
 def test_operator_contracts(fused, gen, name):
     """torch.library.opcheck: schema, fake (meta) shapes/dtypes/strides against the real kernel, autograd
     registration."""
     q, k, v, _ = make_inputs(gen, 1, 20, 2, 1, 16, 16, torch.float32, requires_grad=True)
-    if name == "sel_fwd":
+    if name == "window_fwd":  # the window kernels read K/V through TMA descriptors (the interpreter runs them)
+        fused.setattr(HOOKS, "tma_force", True)
+        q, k, v, _ = make_inputs(gen, 1, 20, 2, 1, 64, 64, torch.float32, requires_grad=True)
+        args = (q, k, v, 8, 0.125)
+    elif name == "sel_fwd":
         idx = torch.randint(-1, 3, (1, 20, 1, 3), generator=gen, dtype=torch.int32)
         args = (q, k, v, ops._dedupe(idx), torch.zeros(1, 20, dtype=torch.int32), 8, 0.25)
     elif name == "topn":

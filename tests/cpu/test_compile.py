@@ -124,8 +124,8 @@ def test_torch_path_dynamic_length(gen):
 def test_bad_offsets_fail_inside_the_graph(gen):
     """Under compile cu_seqlens is checked on the device (no host copy): a bad one still fails the call."""
     q, k, v, g = _inputs(gen, 1, 40)
-    compiled, _ = _compiled(lambda *a: nsa_attention(*a, CFG, backend="torch", cu_seqlens=_cu_bad))
-    _cu_bad = torch.tensor([0, 30, 20, 40], dtype=torch.int32)
+    bad = torch.tensor([0, 30, 20, 40], dtype=torch.int32)
+    compiled, _ = _compiled(lambda *a: nsa_attention(*a, CFG, backend="torch", cu_seqlens=bad))
     with pytest.raises(RuntimeError, match="non-decreasing"):
         compiled(q, k, v, g)
 

@@ -186,7 +186,7 @@ def fused(clean_env):
 
 
 def _served():
-    return {s: telemetry.served(s) for s in ("cmp", "topn", "sel", "win", "combine", "pipeline")}
+    return {s: telemetry.served(s) for s in ("cmp", "topn", "sel", "win", "combine", "core")}
 
 
 def test_fused_pipeline_compiles_to_custom_ops(fused, gen):

@@ -32,6 +32,19 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@trace_constant
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU behind `device` (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def on_gpu(device: torch.device) -> bool:
     """Whether kernels launched for tensors on `device` run on a GPU (launch options such as num_warps apply),
     not in Triton's interpreter."""

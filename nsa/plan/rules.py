@@ -27,7 +27,7 @@ import torch
 
 from ..branches.fa2_call import padded_head_dim
 from ..compiling import compiling
-from ..kernels.device import ADA, Failure, device_capability
+from ..kernels.device import ADA, Failure, device_capability, sm_count
 from ..kernels.fa2.base import FA2_DTYPES
 from ..toggles import Toggles, env_bool
 
@@ -180,8 +180,32 @@ def fa2_guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure
                 return fail
         if toggles.force_dense:
             return Failure("force_dense_packed", "NSA_FA2_FORCE_DENSE=1 but the input is packed (cu_seqlens)")
+    fail = check_splitkv(prov, branch, ctx)
+    if fail:
+        return fail
     if not forced:
         return check_min_len(branch, ctx.max_len, padded_head_dim(ctx.Dk, ctx.Dv), cap, toggles)
+    return None
+
+
+# torch's built-in FA-2 (torch 2.11, H200) writes past the end of softmax_lse in its split-KV combine kernel at
+# head dim 192: compute-sanitizer reports 4-byte writes just after the [1, 1, 65] LSE of the sliding branch's call
+# at T=65, Dk=192 / Dv=128 (the combine kernel's rows past seqlen_q are not masked). Split-KV runs where batch x
+# heads x ceil(Tq / 64) is below 0.8 x twice the SM count (flash-attn's heuristic); such calls are small, and the
+# next provider serves them. Varlen calls never split.
+SPLITKV_UNSAFE_HEAD_DIMS = {"torch_flash": (192,)}
+
+
+def check_splitkv(prov, branch: str, ctx) -> Failure | None:
+    """The sliding branch's dense call on a provider whose split-KV path is unsafe at this head dim."""
+    d = padded_head_dim(ctx.Dk, ctx.Dv)
+    if branch != "win" or ctx.packed or d not in SPLITKV_UNSAFE_HEAD_DIMS.get(prov.name, ()):
+        return None
+    sms = sm_count(ctx.device)
+    rows = ctx.B * ctx.Hq * -(-ctx.T // 64)
+    if sms and rows < 2 * sms:
+        return Failure("splitkv_lse", f"{prov.name}'s split-KV path at head dim {d} writes past its LSE "
+                       f"(B x Hq x ceil(T/64) = {rows} < {2 * sms}, twice the SM count): the next provider serves")
     return None
 
 

@@ -145,3 +145,27 @@ def test_ada_policy_through_router(fakes, gen, clean_env):
     clean_env.setenv("NSA_FA2_FORCE", "1")
     nsa_attention(q, k, v, g, SMALL["l8d4s8n4"])
     assert counts()[("cmp", "flash_attn", "ok")] == 1
+
+
+def test_splitkv_guard_keeps_head_dim_192_windows_off_torchs_split_kv_path(monkeypatch):
+    """torch's FA-2 split-KV combine writes past the LSE at head dim 192: small dense window calls on
+    torch_flash take the next provider (reason splitkv_lse); large ones, other head dims, the compressed
+    branch, packed input and other providers are untouched."""
+    from types import SimpleNamespace
+
+    from nsa.plan import rules
+
+    monkeypatch.setattr(rules, "sm_count", lambda device: 132)
+    flash, other = SimpleNamespace(name="torch_flash"), SimpleNamespace(name="flash_attn")
+
+    def ctx(T, Dk=192, Dv=128, B=1, Hq=1, packed=False):
+        return SimpleNamespace(T=T, Dk=Dk, Dv=Dv, B=B, Hq=Hq, packed=packed, device=torch.device("cuda"))
+
+    assert rules.check_splitkv(flash, "win", ctx(65)).reason == "splitkv_lse"
+    assert rules.check_splitkv(flash, "win", ctx(64 * 263)) is not None  # 263 row blocks < 264
+    assert rules.check_splitkv(flash, "win", ctx(64 * 264)) is None
+    assert rules.check_splitkv(flash, "win", ctx(65, B=2, Hq=132)) is None
+    assert rules.check_splitkv(flash, "win", ctx(65, Dk=128)) is None
+    assert rules.check_splitkv(flash, "cmp", ctx(65)) is None
+    assert rules.check_splitkv(flash, "win", ctx(65, packed=True)) is None
+    assert rules.check_splitkv(other, "win", ctx(65)) is None

@@ -21,6 +21,9 @@ inputs and gradients included (torch.cuda.max_memory_allocated).
 Breakdown (--breakdown-T, default the largest T): each step of the fused pipeline alone (compress,
 cmp, topn, sel, win, combine), forward and backward, with the FLOPs and bytes it must do/move and the
 achieved TF/s and TB/s (H100: 989 TF/s bf16 dense, 3.35 TB/s; H200: same compute, 4.8 TB/s).
+--compile adds an `nsa_compiled` row per point: the same call under torch.compile(fullgraph=True) (Inductor;
+NSA's Triton kernels are custom operators, docs/compile.md), timed the same way after a warm-up call that
+compiles it (its seconds in compile_s); speedup_* of that row = eager NSA time / compiled time.
 Outputs in --out: bench_nsa.csv, bench_nsa_breakdown.csv, bench_nsa.json (environment, arguments, rows,
 hardware limits) and bench_nsa.png (time against T, log-log) when matplotlib is installed.
 """
@@ -85,6 +88,39 @@ def timed_fwd_bwd(fwd, inputs, iters, warmup, device):
 
     fb = time_fn(both, max(1, iters // 2), 1, device)
     return f, b, fb
+
+
+def compiled_row(fwd, inputs, eager: dict, iters, warmup, device) -> dict:
+    """The nsa_compiled row: fwd under torch.compile(fullgraph=True), the first (compiling) calls timed apart
+    from the measured ones; speedups against the eager row."""
+    row = {k: eager[k] for k in ("T", "B", "n_seq", "Hq", "Hkv", "Dk", "Dv", "shape")}
+    row.update(impl="nsa_compiled", status="ok")
+    compiled = torch.compile(fwd, fullgraph=True)
+    # The bwd timing replays one graph (retain_graph=True): AOTAutograd must not donate its saved buffers.
+    nodonate = torch._functorch.config.patch(donated_buffer=False)
+    try:
+        nodonate.__enter__()
+        t0 = time.perf_counter()
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        torch.autograd.grad(compiled(*leaves).float().sum(), leaves)
+        with torch.no_grad():
+            compiled(*inputs)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        f, b, fb = timed_fwd_bwd(compiled, inputs, iters, warmup, device)
+        row.update(fwd_ms=f["median_ms"], fwd_min_ms=f["min_ms"], fwd_max_ms=f["max_ms"], bwd_ms=b["median_ms"],
+                   bwd_min_ms=b["min_ms"], bwd_max_ms=b["max_ms"], fwdbwd_ms=fb["median_ms"])
+        for m in ("fwd", "bwd", "fwdbwd"):
+            if eager.get(f"{m}_ms") and row.get(f"{m}_ms"):
+                row[f"speedup_{m}"] = round(eager[f"{m}_ms"] / row[f"{m}_ms"], 3)
+    except Exception as e:  # noqa: BLE001 - recorded in the row (a bench reports, it does not stop)
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        nodonate.__exit__(None, None, None)
+    print(f"{row['shape']:11} T={row['T']:7} seqs={row['n_seq']:2} nsa compiled fwd {fmt(row.get('fwd_ms'))} "
+          f"bwd {fmt(row.get('bwd_ms'))} fwdbwd {fmt(row.get('fwdbwd_ms'))} (x{fmt(row.get('speedup_fwdbwd'))} "
+          f"of eager; compiled in {row.get('compile_s', '-')} s) {row['status']}", flush=True)
+    return row
 
 
 def peak_fwdbwd(fwd, inputs, device):
@@ -291,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=400.0, help="stop starting new points after this")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path (CI)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time nsa_attention under torch.compile(fullgraph=True) (an nsa_compiled row)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -359,6 +397,8 @@ def main(argv=None):
         except torch.cuda.OutOfMemoryError as e:
             row["status"] = f"oom: {str(e).splitlines()[0][:120]}"
         torch.cuda.empty_cache() if device.type == "cuda" else None
+        if args.compile:
+            rows.append(compiled_row(nsa_fwd, (q, k, v, gates), row, iters, warmup, device))
         if device.type == "cuda" and kind != "ragged":  # ragged: no dense form of the same work
             for name, key in (("flash", "dense_fa2"), ("cudnn", "cudnn")):
                 if name == "cudnn" and args.no_cudnn:
@@ -412,7 +452,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "bench_nsa.csv", rows, COLUMNS + ["shape", "dense_fa2_fwdbwd_ms", "cudnn_fwdbwd_ms",
+    write_csv(out / "bench_nsa.csv", rows, COLUMNS + ["shape", "compile_s", "dense_fa2_fwdbwd_ms", "cudnn_fwdbwd_ms",
                                                        "dense_fa2_impl", "cudnn_impl", "dense_fa2_error",
                                                        "cudnn_error"])
     write_csv(out / "bench_nsa_breakdown.csv", brows, BREAKDOWN_COLUMNS)

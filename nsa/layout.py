@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiling import compiling
 from .config import NSAConfig
 
 
@@ -49,8 +50,9 @@ class SeqLayout:
 def dense_layout(B: int, T: int, cfg: NSAConfig, device) -> SeqLayout:
     """The layout of B sequences of T tokens. Layouts are read, never written, so the last few are reused
     (about 45 us of host time per call, before the GPU's first kernel); not inside torch.inference_mode,
-    whose tensors could not serve a later call that records autograd."""
-    if torch.is_inference_mode_enabled():
+    whose tensors could not serve a later call that records autograd. Under torch.compile the layout is
+    part of the graph (a few small tensors the compiler builds or folds), so nothing is cached."""
+    if compiling() or torch.is_inference_mode_enabled():
         return _dense_layout(B, T, cfg, torch.device(device))
     return _dense_layout_cached(B, T, cfg, torch.device(device))
 

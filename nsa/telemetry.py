@@ -16,6 +16,8 @@ import threading
 import time
 from collections import Counter
 
+from .compiling import compiling, trace_constant
+
 log = logging.getLogger("nsa")
 _lock = threading.Lock()
 _counts: Counter = Counter()
@@ -24,6 +26,7 @@ _events: Counter = Counter()  # (branch, backend, event): things that are not ro
 _times: dict = {}  # bucket -> [calls, total ms] (NSA_DEBUG_TIMING=1)
 
 
+@trace_constant  # under torch.compile: counted once per traced graph (nsa.compiling)
 def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
     from .toggles import debug_log, log_limit
 
@@ -39,6 +42,7 @@ def record(branch: str, backend: str, reason: str = "ok", **details) -> None:
         log.warning("nsa.route branch=%s backend=%s reason=%s %s", branch, backend, reason, extra)
 
 
+@trace_constant
 def event(branch: str, backend: str, name: str) -> None:
     """Count something a provider did that is not a routing decision (e.g. "contiguous_copy")."""
     with _lock:
@@ -57,6 +61,8 @@ def timing_on() -> bool:
     call passes here, the torch backend's too, so this is also where retired toggles are warned about."""
     from .toggles import env_bool, warn_retired
 
+    if compiling():  # no synchronized timers inside a compiled graph (docs/compile.md)
+        return False
     warn_retired()
     return env_bool("NSA_DEBUG_TIMING", False)
 
@@ -127,9 +133,10 @@ def times_now() -> dict:
         return dict(_times)
 
 
-# Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), or a
-# decode step ran the torch branches on the cache ("decode").
-NORMAL_REASONS = ("ok", "decode")
+# Reasons that are not fallbacks: the chosen path ran ("ok"), the caller forced it ("forced..."), a
+# decode step ran the torch branches on the cache ("decode"), or torch.compile traced the fused pipeline
+# as separate operators ("compile": nsa.plan.rules.COMPILE_NO_DENSE_CORE).
+NORMAL_REASONS = ("ok", "decode", "compile")
 
 
 def is_normal(reason: str) -> bool:

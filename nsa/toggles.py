@@ -16,6 +16,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 
+from .compiling import trace_constant
 from .validation import NSAInputError
 
 _TRUE = ("1", "true", "yes", "on")
@@ -136,9 +137,15 @@ def reset_retired_warnings() -> None:
         _warned.clear()
 
 
-def read() -> Toggles:
-    """The toggles as the environment holds them now (and a one-time warning for each retired one set)."""
+@trace_constant  # under torch.compile: warned when the caller is traced (its lock is not traceable)
+def _warn_retired_now() -> None:
     warn_retired()
+
+
+def read() -> Toggles:
+    """The toggles as the environment holds them now (and a one-time warning for each retired one set).
+    Under torch.compile: as the environment holds them when the caller is traced (nsa.compiling)."""
+    _warn_retired_now()
     pref_raw = os.environ.get("NSA_FA2_PREF_FP16")
     pref = None if pref_raw is None or pref_raw.strip() == "" else env_bool("NSA_FA2_PREF_FP16", True)
     t = Toggles(

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiling import compiling
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -83,8 +85,9 @@ def check_branch_kv(name: str, kv, like_k: torch.Tensor, like_v: torch.Tensor) -
             )
 
 
-def check_cu_seqlens(cu_seqlens, shapes: Shapes, device: torch.device) -> list[int]:
-    """Validate packed-sequence offsets; return them on the host (one small copy, varlen calls only)."""
+def check_cu_seqlens(cu_seqlens, shapes: Shapes, device: torch.device) -> list[int] | None:
+    """Validate packed-sequence offsets; return them on the host (one small copy, varlen calls only), or None
+    under torch.compile, where the values are checked on the device instead."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise NSAInputError(f"cu_seqlens must be a torch.Tensor of int32, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -95,6 +98,16 @@ def check_cu_seqlens(cu_seqlens, shapes: Shapes, device: torch.device) -> list[i
         raise NSAInputError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if shapes.B != 1:
         raise NSAInputError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B={shapes.B}")
+    if compiling():
+        # Inside a compiled graph the values cannot reach the host without a graph break: the same checks
+        # run on the device, in the graph (torch.compile fails the call with this message). Planning then
+        # bounds every sequence's length by T (nsa.plan: CallContext.max_len).
+        cu = cu_seqlens
+        ok = (cu[0] == 0) & (cu[1:] >= cu[:-1]).all() & (cu[-1] == shapes.T)
+        # (no T in the message: formatting it would fix a dynamic length to this trace's value)
+        torch._assert_async(ok, "cu_seqlens must start at 0, be non-decreasing and end at the packed length T "
+                                "(q.shape[1])")
+        return None
     host = cu_seqlens.tolist()
     if host[0] != 0:
         raise NSAInputError(f"cu_seqlens must start at 0, got {host[0]}")

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import torch
 
+from ..compiling import trace_constant
 from ..hooks import HOOKS
 
 ADA = (8, 9)
@@ -22,6 +23,7 @@ class Failure:
         return f"{self.reason}: {self.message}"
 
 
+@trace_constant  # under torch.compile: read once when the caller is traced (nsa.compiling)
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     if HOOKS.pretend_gpu is not None:
         return HOOKS.pretend_gpu

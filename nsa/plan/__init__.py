@@ -61,6 +61,7 @@ from ..branches.context import CallContext
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding.fa2 import sliding_fa2
 from ..branches.sliding.sdpa import sliding_sdpa
+from ..compiling import compiling
 from ..hooks import HOOKS
 from ..validation import NSAInputError, Shapes
 from . import providers as _providers
@@ -118,20 +119,20 @@ def _fa2_choice(branch: str, backend: str, ctx: CallContext, tg, n_cmp: int = 0)
     provs, cudnn = _providers.providers(), _providers.cudnn()
     if backend in provs:
         prov = provs[backend]
-        ok, why = prov.availability(ctx.device, forced=True)
+        ok, why = _providers.available(prov, ctx.device, True)
         if not ok:
             raise NSAInputError(f"backend={backend!r} is not available here: {why}")
         fail = _providers.guard(prov, branch, ctx, tg, forced=True)
         if fail:
             raise NSAInputError(f"backend={backend!r} cannot serve the {branch} branch: {fail}")
         return backend, "forced", ""
-    if rules.cudnn_applies(cudnn, branch, ctx, tg, n_cmp) and cudnn.availability(ctx.device, forced=False)[0] and (
+    if rules.cudnn_applies(cudnn, branch, ctx, tg, n_cmp) and _providers.available(cudnn, ctx.device, False)[0] and (
             _providers.guard(cudnn, branch, ctx, tg, forced=False) is None):
         return cudnn.name, "ok", ""  # where its guards fail, the FA-2 order below decides (and records why)
     first_fail = None
     for name in ORDER:
         prov = provs[name]
-        ok, _ = prov.availability(ctx.device, forced=False)
+        ok, _ = _providers.available(prov, ctx.device, False)
         if not ok:
             continue
         fail = _providers.guard(prov, branch, ctx, tg, forced=False)
@@ -148,7 +149,7 @@ def _triton_choice(kind: str, sel_backend: str, ctx: CallContext, tg, cfg) -> tu
         return "torch", "forced", ""
     forced = sel_backend == "triton_sel"
     prov = TRITON[kind]
-    ok, why = prov.availability(ctx.device, forced=forced)
+    ok, why = _providers.available(prov, ctx.device, forced)
     if not ok:
         if forced:
             raise NSAInputError(f"sel_backend='triton_sel' is not available here ({kind}): {why}")
@@ -228,7 +229,10 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
         raise NSAInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in ("auto", "flash_attn", "torch_flash", "sdpa") and cu_seqlens is None:
         tg = _toggles.read()
-        key = _cache_key(backend, q, k, v, cfg, kv_cmp, kv_win, given_indices, sel_backend, tg)
+        # Under torch.compile planning runs once, when the caller is traced: nothing to cache (and fake
+        # tensors have no data pointer for the key).
+        key = None if compiling() else _cache_key(backend, q, k, v, cfg, kv_cmp, kv_win, given_indices,
+                                                         sel_backend, tg)
         if key is not None:
             cached = _cache.get(key)
             if cached is None:
@@ -261,7 +265,7 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
     if sel_backend not in SEL_BACKENDS:
         raise NSAInputError(f"sel_backend must be one of {SEL_BACKENDS}, got {sel_backend!r}")
     B, T, Hq, Dk = q.shape
-    timing = tg.debug_timing
+    timing = tg.debug_timing and not compiling()  # no synchronized timers inside a compiled graph
 
     def ctx_for(kb, vb, grad_tensors):
         shapes = Shapes(B, T, Hq, kb.shape[2], Dk, vb.shape[3])
@@ -307,7 +311,7 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
     fused = all(steps[s].fn is not None for s in ("cmp", "sel", "win")) and (
         given_indices or steps["topn"].fn is not None)
     if fused:
-        ok, _ = TRITON["combine"].availability(q.device, forced=False)
+        ok, _ = _providers.available(TRITON["combine"], q.device, False)
         fail = TRITON["combine"].guard(sel_ctx, tg, forced=False) if ok else None
         if ok and fail is None:
             steps["combine"] = Step("triton", "ok", combine_triton.gate_combine)
@@ -375,7 +379,7 @@ def _plan_decode(backend: str, q, cache, needs_grad: bool) -> DecodePlan:
         return DecodePlan("torch", "forced")
     forced = backend == "triton"
     prov = TRITON["decode"]
-    ok, why = prov.availability(q.device, forced)
+    ok, why = _providers.available(prov, q.device, forced)
     if not ok:
         if forced:
             raise NSAInputError(f"backend='triton' is not available here: {why}")

@@ -19,6 +19,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from ..compiling import trace_constant
 from ..hooks import HOOKS
 from ..kernels.device import Failure, device_capability
 from ..kernels.fa2.base import Fa2Provider
@@ -50,6 +51,12 @@ class SdpaProvider:
 
     def guard(self, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure | None:
         return None
+
+
+@trace_constant  # probes imports and the device: under torch.compile, once when the caller is traced
+def available(prov, device, forced: bool) -> tuple[bool, str]:
+    """(ok, why not) of prov.availability(device, forced): whether the provider can run here at all."""
+    return prov.availability(device, forced)
 
 
 def guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure | None:
@@ -125,5 +132,5 @@ def cudnn():
     return HOOKS.cudnn if HOOKS.cudnn is not None else CUDNN
 
 
-__all__ = ["CUDNN", "ORDER", "PROVIDERS", "SdpaProvider", "TRITON", "TritonProvider", "cudnn", "guard",
+__all__ = ["CUDNN", "available", "ORDER", "PROVIDERS", "SdpaProvider", "TRITON", "TritonProvider", "cudnn", "guard",
            "providers"]

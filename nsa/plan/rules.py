@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..branches.fa2_call import padded_head_dim
+from ..compiling import compiling
 from ..kernels.device import ADA, Failure, device_capability
 from ..kernels.fa2.base import FA2_DTYPES
 from ..toggles import Toggles, env_bool
@@ -167,9 +168,16 @@ def fa2_guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure
     if fail:
         return fail
     if ctx.packed:
-        fail = check_cu_seqlens(ctx.cu_seqlens, ctx.host_cu, ctx.T, ctx.device)
-        if fail:
-            return fail
+        if ctx.host_cu is None and compiling():
+            # In a compiled graph the offsets stay on the device (nsa.validation checks them there), and the
+            # compressed branch's varlen fold is planned from their host copy (compressed.fold.plan_varlen).
+            if branch == "cmp":
+                return Failure("compile_packed", "torch.compile: packed input's offsets are not on the host in "
+                               "a compiled graph; the compressed branch's varlen FA-2 call is planned from them")
+        else:
+            fail = check_cu_seqlens(ctx.cu_seqlens, ctx.host_cu, ctx.T, ctx.device)
+            if fail:
+                return fail
         if toggles.force_dense:
             return Failure("force_dense_packed", "NSA_FA2_FORCE_DENSE=1 but the input is packed (cu_seqlens)")
     if not forced:
@@ -293,16 +301,25 @@ def chunk_budget(device_type: str, toggles: Toggles) -> int:
 
 # --- the dense core and its sliding branch on the Triton window kernels -----------------------------------
 
+# Under torch.compile the fused pipeline runs as separate operators (each Triton kernel a custom operator,
+# nsa.kernels.ops), which Dynamo traces; the plan's core step records this reason ("compile").
+COMPILE_NO_DENSE_CORE = ("torch.compile: the dense core's backward calls torch.autograd.grad on inner graphs, "
+                         "which Dynamo cannot trace; its steps run as separate custom operators")
+
+
 def dense_core_guard(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) -> Failure | None:
     """Why the dense core (nsa.run.dense_core) does not serve this fused call, or None where it does: cmp and
     win on an FA-2-family provider, sel, top-n (or given indices) and combine on Triton. Dense or packed input,
     any head dims and dtypes those providers serve: the core folds the compressed branch by view where it can
     and runs the provider's own call elsewhere (nsa.run.dense_core.view_fold). NSA_DENSE_CORE=0 turns it off;
     NSA_FA2_FORCE_VARLEN=1 (varlen kernels for dense input, a check of those kernels) keeps the separate
-    operations. Reasons: disabled, force_varlen, provider, steps (never a fallback: the same steps run as
-    separate operations, nsa.telemetry)."""
+    operations; under torch.compile it never applies (COMPILE_NO_DENSE_CORE). Reasons: disabled, compile,
+    force_varlen, provider, steps (never a fallback: the same steps run as separate operations,
+    nsa.telemetry)."""
     if not toggles.dense_core:
         return Failure("disabled", "NSA_DENSE_CORE=0")
+    if compiling():
+        return Failure("compile", COMPILE_NO_DENSE_CORE)
     if toggles.force_varlen:
         return Failure("force_varlen", "NSA_FA2_FORCE_VARLEN=1")
     for step in ("cmp", "win"):

@@ -27,7 +27,7 @@ def choose_chunk(T: int, Hq: int, Hkv: int, Dk: int, Dv: int, n_cmp: int, cfg: N
     plan's chunk_budget, nsa.plan.rules.chunk_budget), at least 16, at most T."""
     per_query = Hq * (n_cmp + cfg.n_sel * cfg.block_sel + cfg.window) + Hkv * cfg.n_sel * cfg.block_sel * (Dk + Dv)
     chunk = max(16, budget // max(per_query, 1))
-    return int(min(T, chunk)) if T > 0 else 1
+    return min(T, chunk) if T > 0 else 1  # T may be symbolic under torch.compile: no int() here
 
 
 def _chunk(c0, c1, q, k, v, gates, k_cmp, v_cmp, k_win, v_win, layout, cfg, scale, fixed, o_cmp_full,
@@ -111,8 +111,9 @@ def run_chunked(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, 
         use_checkpoint = grad and T > chunk
     sel_deferred = plan.sel.fn is not None
     outs, idxs = [], []
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
+    # One chunk when it covers T: then T stays symbolic under torch.compile (a loop over range(T) would fix it).
+    bounds = [(0, T)] if T <= chunk else [(c0, min(T, c0 + chunk)) for c0 in range(0, T, chunk)]
+    for c0, c1 in bounds:
         args = (c0, c1, q, k, v, gates, k_cmp_ct, v_cmp_ct, k_win, v_win, layout, cfg, scale, fixed,
                 o_cmp_full, lse_cmp_full, o_win_full, need_indices, sel_deferred)
         if use_checkpoint and grad:

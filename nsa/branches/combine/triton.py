@@ -6,13 +6,19 @@ segmented form the dense core uses (o_cmp as rows by view plus a short tail: `Se
     dg, d_cmp, d_sel, d_win = backward(dout, gates, o_cmp_segments, o_sel, o_win)
 
 The kernel module (and so triton) is imported on first call: planning refers to these functions without
-importing triton.
+importing triton. Under torch.compile gate_combine calls the custom operator nsa::combine_fwd
+(nsa.kernels.ops); in eager mode the launcher, directly.
 """
 
 from __future__ import annotations
 
+from ...compiling import compiling
+from ...kernels import ops
+
 
 def gate_combine(gates, o_cmp, o_sel, o_win):
+    if compiling():
+        return ops.gate_combine(gates, o_cmp, o_sel, o_win)
     from ...kernels.triton.combine import gate_combine as fn
 
     return fn(gates, o_cmp, o_sel, o_win)

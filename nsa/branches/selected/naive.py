@@ -30,9 +30,11 @@ def score_logits(qc, k_cmp, scale, budget: int = SCORE_LOGITS_BUDGET):
     same product and sum over D, so equal keys give bitwise-equal logits wherever they sit."""
     B, C, H, G, D = qc.shape
     N = k_cmp.shape[1]
-    out = qc.new_empty(B, C, H, G, N)
     step = max(1, budget // max(1, B * C * H * G * D))
     kt = k_cmp.permute(0, 2, 1, 3)[:, None, :, None]  # [B, 1, H, 1, N, D]
+    if N <= step:  # one piece: no loop over range(N), so N stays symbolic under torch.compile
+        return (qc[..., None, :] * kt).sum(-1) * scale
+    out = qc.new_empty(B, C, H, G, N)
     for n0 in range(0, N, step):
         out[..., n0:n0 + step] = (qc[..., None, :] * kt[..., n0:n0 + step, :]).sum(-1)
     return out * scale

@@ -12,19 +12,27 @@ Both take q_offset (queries at a stream offset, context parallelism: nsa.run.off
 top_n_at, the top-n kernel's entry for such queries.
 
 The kernel modules (and so triton) are imported on first call: planning refers to these functions
-without importing triton.
+without importing triton. Under torch.compile top_n and selected_attention call the custom operators of
+nsa.kernels.ops (traced as graph nodes); in eager mode the launchers, directly.
 """
 
 from __future__ import annotations
 
+from ...compiling import compiling
+from ...kernels import ops
+
 
 def top_n(q, k_cmp, lse, layout, cfg, scale):
+    if compiling():
+        return ops.top_n(q, k_cmp, lse, layout.seq_start, layout.cmp_slot0, cfg, scale)
     from ...kernels.triton.topn import topn_triton
 
     return topn_triton(q.detach(), k_cmp.detach(), lse.detach(), layout.seq_start, layout.cmp_slot0, cfg, scale)
 
 
 def selected_attention(q, k, v, indices, layout, cfg, scale):
+    if compiling():
+        return ops.selected_attention(q, k, v, indices, layout.seq_start, cfg.block_sel, scale)
     from ...kernels.triton.selection import selected_attention_triton
 
     return selected_attention_triton(q, k, v, indices, layout.seq_start, cfg, scale)

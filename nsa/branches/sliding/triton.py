@@ -6,10 +6,14 @@ than FA-2's on a band of w keys), forward and backward from the saved o and LSE.
     dq, dk, dv = backward(do, q, k, v, o, lse, cfg, scale)
 
 Dense input only (no packed sequences); the dense core runs it (nsa.run.dense_core). The kernel module
-(and so triton) is imported on first call.
+(and so triton) is imported on first call. Under torch.compile forward and backward run as the custom
+operators nsa::window_fwd / nsa::window_bwd (nsa.kernels.ops).
 """
 
 from __future__ import annotations
+
+from ...compiling import compiling
+from ...kernels import ops
 
 
 def supported(q, k, v) -> tuple[bool, str]:
@@ -19,12 +23,16 @@ def supported(q, k, v) -> tuple[bool, str]:
 
 
 def forward(q, k, v, cfg, scale):
+    if compiling():
+        return ops.window_fwd(q, k, v, cfg.window, float(scale))
     from ...kernels.triton.window import window_forward
 
     return window_forward(q, k, v, cfg.window, scale)
 
 
 def backward(do, q, k, v, o, lse, cfg, scale):
+    if compiling():
+        return ops.window_bwd(do, q, k, v, o, lse, cfg.window, float(scale))
     from ...kernels.triton.window import window_backward
 
     return window_backward(do, q, k, v, o, lse, cfg.window, scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ...compiling import trace_constant
 from .base import Fa2Provider
 
 MAX_HEAD_DIM = 128  # any cuDNN 9
@@ -55,6 +56,7 @@ class TorchCudnnProvider(Fa2Provider):
         self.kernel = kernel  # None: torch.ops.aten._scaled_dot_product_cudnn_attention; tests pass an emulation
         self.cudnn_version: int | None = None  # None: torch.backends.cudnn.version(); tests pretend one
 
+    @trace_constant  # reads cuDNN's version: under torch.compile, once when the caller is traced
     def max_head_dim(self) -> int:
         version = self.cudnn_version or torch.backends.cudnn.version() or 0
         return MAX_HEAD_DIM_WIDE if version >= WIDE_HEADS_CUDNN else MAX_HEAD_DIM

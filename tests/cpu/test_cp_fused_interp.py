@@ -127,3 +127,68 @@ def test_cmp_parts():
     assert cmp_parts(7, 8, CFG) == (0, 0, 2, 8)
     assert cmp_parts(9, 8, CFG) == (1, 2, 1, 6)  # tokens 9, 10 see block 0; row 11..14 sees blocks 0, 1
     assert cmp_parts(9, 1, CFG) == (1, 1, 0, 1)
+
+
+# --- two gloo ranks through cp_group ------------------------------------------------------------------------
+
+GLOO_CASES = {"contiguous": [21, 27], "zigzag": [24, 24]}  # rank 1 of "contiguous" starts mid-window
+
+
+def _gloo_worker(rank, world, port, outdir):
+    import os
+
+    import torch.distributed as dist
+
+    from nsa.distributed import ContextParallel, shard
+
+    torch.set_num_threads(1)
+    # Whatever the start method: the same test hooks as the fixture's (the parent's patches are not inherited
+    # by a spawned rank); this process ends after the test.
+    os.environ.update({"NSA_FA2_MIN_LEN_WIN": "1", "NSA_FA2_MIN_LEN_CMP": "1", "TRITON_INTERPRET": "1"})
+    emulated = backend_fakes.emulated
+    HOOKS.providers = {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
+                       "sdpa": plan.PROVIDERS["sdpa"]}
+    for prov in plan.TRITON.values():
+        prov.allow_cpu = True
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for layout, lengths in GLOO_CASES.items():
+            tensors, gen = _inputs(sum(map(ord, layout)))
+            weight = torch.randn(1, T, H_Q, D_V, generator=gen, dtype=torch.float64)
+            spec = ContextParallel(dist.group.WORLD, layout=layout)
+            if layout == "zigzag":
+                local = [shard(x, spec) for x in [*tensors, weight]]
+            else:
+                local = [x.split(lengths, dim=1)[rank] for x in [*tensors, weight]]
+            leaves = [x.float().requires_grad_() for x in local[:-1]]
+            telemetry.reset()
+            out = nsa_attention(*leaves, CFG, cp_group=spec)
+            (out.double() * local[-1]).sum().backward()
+            torch.save({"out": out.detach(), "grads": [x.grad for x in leaves], "cp": telemetry.served("cp"),
+                        "fallbacks": telemetry.snapshot()["fallbacks"]}, os.path.join(outdir, f"{layout}.{rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cp_group_two_ranks_fused(fused, tmp_path):
+    """nsa_attention(cp_group=...) on two gloo ranks takes the fused path per rank (telemetry), and matches
+    the one-process float64 call: outputs and q/k/v/gate gradients, contiguous (uneven) and zigzag."""
+    from nsa.distributed.cp import pieces_of
+
+    from .test_context_parallel import _launch
+
+    _launch(_gloo_worker, 2, str(tmp_path))
+    for layout, lengths in GLOO_CASES.items():
+        tensors, gen = _inputs(sum(map(ord, layout)))
+        weight = torch.randn(1, T, H_Q, D_V, generator=gen, dtype=torch.float64)
+        got = [torch.load(tmp_path / f"{layout}.{r}") for r in range(2)]
+        assert all(g["cp"] == {"fused": 1} and g["fallbacks"] == 0 for g in got), [g["cp"] for g in got]
+        _, order = pieces_of(layout, lengths)
+
+        def whole(parts, order=order):
+            return torch.cat([parts[r][:, s:s + n] for r, s, n in order], 1)
+
+        ref, want = _expected(tensors, CFG, [(0, T)], weight)
+        assert rel_err(whole([g["out"] for g in got]), ref) < 2e-5, layout
+        for i, label in enumerate("qkvg"):
+            assert rel_err(whole([g["grads"][i] for g in got]), want[i]) < 1e-4, (layout, label)

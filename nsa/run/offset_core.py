@@ -11,8 +11,8 @@ The steps are the dense core's (nsa.run.dense_core), each told where its queries
   corner, FA-2's convention) and a tail (fewer than d tokens, every block up to m0 + n). Head and tail
   are unmasked calls of the core's FA-2 provider, as the dense core's tail is. torch_cudnn aligns its
   causal mask to the top-left corner: where it is the compressed provider and the rows are not square
-  (m0 > 0), the core's FA-2 provider runs the rows too. The three parts are joined into one o_cmp (one
-  copy of [Tq, Hq, Dv]) for the combine;
+  (m0 > 0) or are a single row (cuDNN refuses a 1 x 1 call), the core's FA-2 provider runs them. The
+  three parts are joined into one o_cmp (one copy of [Tq, Hq, Dv]) for the combine;
 - top-n, selection forward (with the gate combine in its epilogue) and backward: the Triton kernels with
   q_offset (the stream position of query row 0; K/V rows are stream positions);
 - sliding branch: on its FA-2 provider, the band of keys [offset - w + 1, offset + Tq) with the causal
@@ -34,7 +34,7 @@ from ..branches.compressed.fold import expand_kv, unfold_view_lse, unfold_view_o
 from ..branches.fa2_call import pad_last, prep
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding import triton as sliding_triton
-from .dense_core import _keep_graph, _leaf
+from .dense_core import MIN_VIEW_ROWS, _keep_graph, _leaf
 
 
 def cmp_parts(offset: int, Tq: int, cfg) -> tuple[int, int, int, int]:
@@ -63,7 +63,7 @@ class OffsetCmp:
         d = cfg.stride_cmp
         m0, hl, n, ta = cmp_parts(offset, Tq, cfg)
         prov_rows, ctx = plan.cmp.impl
-        if prov_rows.name == "torch_cudnn" and m0 > 0:
+        if prov_rows.name == "torch_cudnn" and (m0 > 0 or n < MIN_VIEW_ROWS):  # not square, or a 1 x 1 call
             prov_rows = _fa2(plan)
         kd = ctx.kernel_dtype
         D = max(Dk, Dv)

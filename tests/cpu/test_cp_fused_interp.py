@@ -192,3 +192,40 @@ def test_cp_group_two_ranks_fused(fused, tmp_path):
         assert rel_err(whole([g["out"] for g in got]), ref) < 2e-5, layout
         for i, label in enumerate("qkvg"):
             assert rel_err(whole([g["grads"][i] for g in got]), want[i]) < 1e-4, (layout, label)
+
+
+@pytest.mark.parametrize("segs", [[(19, 14)], [(0, 9), (30, 9)]])
+def test_offset_core_triton_window(fused, segs):
+    """The sliding branch on NSA's Triton window kernels (TMA descriptors run by the interpreter; D=64): q
+    zero-padded at the front to the band of keys, against the one-process float64 call."""
+    fused.setattr(HOOKS, "tma_force", True)
+    gen = torch.Generator().manual_seed(5)
+    tensors = make_inputs(gen, 1, 40, H_Q, H_KV, 64, 64)
+    weight = torch.randn(1, 40, H_Q, 64, generator=gen, dtype=torch.float64)
+    ref, want = _expected(tensors, CFG, segs, weight)
+    telemetry.reset()
+    outs, got = _per_rank(tensors, CFG, segs, weight)
+    assert telemetry.served("win") == {"triton_window": 1}
+    assert sum(e["calls"] for e in telemetry.snapshot()["events"] if e["event"] == "window_forward_offset") == len(segs)
+    for (s, n), (o, _) in zip(segs, outs):
+        assert rel_err(o, ref[:, s:s + n]) < 2e-5, (s, n)
+    for label, a, b in zip("qkvg", got, want):
+        assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))
+
+
+@pytest.mark.parametrize("segs", [[(27, 13)], [(0, 20)], [(0, 14)]])
+def test_offset_core_cudnn_rows(fused, segs):
+    """torch_cudnn serving the compressed branch (emulated, a pretended sm 9.0): its top-left causal mask
+    serves square rows (m0 = 0); rows after the first blocks, or a single row, go to the core's FA-2
+    provider. Against the one-process float64 call."""
+    fused.setattr(HOOKS, "cudnn", backend_fakes.emulated_cudnn())
+    tensors, gen = _inputs(11)
+    weight = torch.randn(1, T, H_Q, D_V, generator=gen, dtype=torch.float64)
+    ref, want = _expected(tensors, CFG, segs, weight)
+    telemetry.reset()
+    outs, got = _per_rank(tensors, CFG, segs, weight)
+    assert telemetry.served("cmp") == {"torch_cudnn": 1}
+    for (s, n), (o, _) in zip(segs, outs):
+        assert rel_err(o, ref[:, s:s + n]) < 2e-5, (s, n)
+    for label, a, b in zip("qkvg", got, want):
+        assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))

@@ -229,3 +229,30 @@ def test_offset_core_cudnn_rows(fused, segs):
         assert rel_err(o, ref[:, s:s + n]) < 2e-5, (s, n)
     for label, a, b in zip("qkvg", got, want):
         assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))
+
+
+def test_offset_core_branch_kv_and_given_blocks(fused):
+    """Per-branch K/V (kv_cmp, kv_win) and given block indices on the fused per-rank path, against the
+    one-process float64 call with the same blocks: output and the gradients of q, gates and every K/V."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g = make_inputs(gen, 1, T, H_Q, H_KV, D_K, D_V)
+    kc, vc, kw, vw = (x for _ in range(2) for x in make_inputs(gen, 1, T, H_Q, H_KV, D_K, D_V)[1:3])
+    idx = torch.randint(-1, 5, (1, T, H_KV, CFG.n_sel), generator=gen)
+    s, n = 23, 17
+    weight = torch.randn(1, n, H_Q, D_V, generator=gen, dtype=torch.float64)
+    hi = [x.clone().requires_grad_() for x in (q, k, v, g, kc, vc, kw, vw)]
+    want = nsa_attention(*hi[:4], CFG, kv_cmp=tuple(hi[4:6]), kv_win=tuple(hi[6:8]), block_indices=idx,
+                         backend="torch")[:, s:s + n]
+    want_grads = torch.autograd.grad((want * weight).sum(), hi)
+    lo = [x.float().requires_grad_() for x in (q, k, v, g, kc, vc, kw, vw)]
+    lq, lk, lv = (x[:, s:s + n].detach() for x in lo[:3])
+    pl, path, reason = plan_local("auto", lq, lk, lv, CFG, tuple(x[:, s:s + n].detach() for x in lo[4:6]),
+                                  tuple(x[:, s:s + n].detach() for x in lo[6:8]), None, True)
+    assert (path, reason) == ("fused", "ok")
+    compressed = compress_prefix(lo[4], lo[5], CFG, s + n, 1)
+    out, _ = nsa_local(lo[0][:, s:s + n], lo[3][:, s:s + n], lo[1], lo[2], CFG, s, kv_win=tuple(lo[6:8]),
+                       compressed=compressed, prefix_end=s + n, block_indices=idx[:, s:s + n], plan=pl)
+    assert rel_err(out, want) < 2e-5
+    got = torch.autograd.grad((out.double() * weight).sum(), lo)
+    for label, a, b in zip(["q", "k", "v", "g", "k_cmp", "v_cmp", "k_win", "v_win"], got, want_grads):
+        assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))

@@ -186,7 +186,7 @@ def fused(clean_env):
 
 
 def _served():
-    return {s: telemetry.served(s) for s in ("cmp", "topn", "sel", "win", "combine", "pipeline")}
+    return {s: telemetry.served(s) for s in ("cmp", "topn", "sel", "win", "combine", "core")}
 
 
 def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
@@ -218,7 +218,7 @@ def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
     counts = backend_fakes.counts()
     assert counts[("core", "separate", "compile")] == 1  # recorded when traced, once
     assert _served() == {"cmp": {"flash_attn": 3}, "topn": {"triton": 3}, "sel": {"triton": 3},
-                         "win": {"flash_attn": 3}, "combine": {"triton": 3}, "core": {"separate": 1}}
+                         "win": {"flash_attn": 3}, "combine": {"triton": 3}, "core": {"dense_core": 2, "separate": 1}}
     assert telemetry.snapshot()["fallbacks"] == 0
 
 

@@ -17,9 +17,10 @@ the paper's heads), bf16, paper blocks, B=1, shared K/V:
              NSA's) and SDPA on the local queries against the keys before them (flash backend on a GPU)
   dense_ring torch's context_parallel (ring attention over SDPA) where this torch has it and the run is
              on NCCL GPUs; a row with its error otherwise
-  nsa_cp_torch the same with backend="torch": the PyTorch branches per rank (the path packed input takes),
-             the baseline of the same compute; nsa_cp runs the fused kernels per rank at a query offset
-             where planning takes them for the plain call (column `path`: what served each row)
+  nsa_cp_torch (W=1 runs) the same with backend="torch": the PyTorch branches (the per-rank path of packed
+             input), the baseline of the same compute for torch-path rows; nsa_cp runs the fused kernels
+             per rank at a query offset where planning takes them for the plain call (column `path`:
+             what served each row)
   nsa_1gpu   (W=1 runs; --single adds it on rank 0 of larger runs) the plain nsa_attention call on the whole
              stream with the fastest backend ("auto"); nsa_cp at W=1 is the same call through cp_group
 Times are the median over --iters (after --warmup) of the slowest rank's time per iteration (a barrier
@@ -275,8 +276,9 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
     def dense_fwdbwd():
         dense_cp(*leaves[:3], spec).backward(dout)
 
-    cases = {"nsa_cp": (nsa_fwd, nsa_fwdbwd), "dense_cp": (dense_fwd, dense_fwdbwd),
-             "nsa_cp_torch": (torch_fwd, torch_fwdbwd)}
+    cases = {"nsa_cp": (nsa_fwd, nsa_fwdbwd), "dense_cp": (dense_fwd, dense_fwdbwd)}
+    if W == 1:  # the baseline of torch-path rows (slow at these lengths: not repeated at every W)
+        cases["nsa_cp_torch"] = (torch_fwd, torch_fwdbwd)
     backends = {"nsa_cp": "auto", "nsa_cp_torch": "torch", "dense_cp": "fa2" if device.type == "cuda" else "sdpa"}
     for impl in impls:
         if impl not in cases:

@@ -17,17 +17,19 @@ the paper's heads), bf16, paper blocks, B=1, shared K/V:
              NSA's) and SDPA on the local queries against the keys before them (flash backend on a GPU)
   dense_ring torch's context_parallel (ring attention over SDPA) where this torch has it and the run is
              on NCCL GPUs; a row with its error otherwise
-  nsa_cp_torch (W=1 runs) the same with backend="torch": the PyTorch branches, which every rank runs when W > 1
-             (the fused GPU kernels take no query offset yet): the baseline of the same compute
+  nsa_cp_torch (W=1 runs) the same with backend="torch": the PyTorch branches (the per-rank path of packed
+             input), the baseline of the same compute for torch-path rows; nsa_cp runs the fused kernels
+             per rank at a query offset where planning takes them for the plain call (column `path`:
+             what served each row)
   nsa_1gpu   (W=1 runs; --single adds it on rank 0 of larger runs) the plain nsa_attention call on the whole
              stream with the fastest backend ("auto"); nsa_cp at W=1 is the same call through cp_group
 Times are the median over --iters (after --warmup) of the slowest rank's time per iteration (a barrier
 before each); peak memory is torch.cuda.max_memory_allocated per rank over one forward+backward,
 inputs and gradients included. Every run writes bench_cp_w{W}.csv / .json (environment, arguments,
 rows) to --out; rank 0 then merges every bench_cp_w*.csv there into bench_cp_summary.csv (efficiency
-against W=1 of the same implementation: t1 / (W tW) for strong scaling, t1 / tW for weak; for nsa_cp also
-efficiency_same_compute, against nsa_cp_torch at W=1) and bench_cp.png (matplotlib; skipped with a
-message without it).
+against W=1 of the same implementation: t1 / (W tW) for strong scaling, t1 / tW for weak; also
+efficiency_same_compute, against W=1 of what served the ranks: nsa_cp_torch for nsa_cp rows on the torch
+path) and bench_cp.png (matplotlib; skipped with a message without it).
 --check (on by default): before timing, a small stream in fp32 through cp_group against the one-process
 call on every rank (outputs and q/k/v/gate gradients); exit status 1 when it disagrees.
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
@@ -64,7 +66,7 @@ SHAPES = {"D128": (64, 4, 128, 128), "Dk192Dv128": (64, 4, 192, 128)}
 SMOKE_SHAPES = {"small": (4, 2, 16, 8)}
 SMOKE_CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, window=16)
 COLUMNS = ["mode", "impl", "shape", "world", "layout", "T_total", "T_local", "Hq", "Hkv", "Dk", "Dv", "fwd_ms",
-           "bwd_ms", "fwdbwd_ms", "peak_mib_max", "peak_mib_ranks", "backend", "status"]
+           "bwd_ms", "fwdbwd_ms", "peak_mib_max", "peak_mib_ranks", "backend", "path", "status"]
 
 
 def parse_args(argv=None):
@@ -275,17 +277,19 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
         dense_cp(*leaves[:3], spec).backward(dout)
 
     cases = {"nsa_cp": (nsa_fwd, nsa_fwdbwd), "dense_cp": (dense_fwd, dense_fwdbwd)}
-    if W == 1:  # at W > 1 nsa_cp already runs the PyTorch branches on every rank
+    if W == 1:  # the baseline of torch-path rows (slow at these lengths: not repeated at every W)
         cases["nsa_cp_torch"] = (torch_fwd, torch_fwdbwd)
     backends = {"nsa_cp": "auto", "nsa_cp_torch": "torch", "dense_cp": "fa2" if device.type == "cuda" else "sdpa"}
     for impl in impls:
         if impl not in cases:
             continue
         row = dict(base, impl=impl, backend=backends[impl], status="ok")
+        telemetry.reset()
         try:
             measure(row, *cases[impl], args, device)
         except torch.OutOfMemoryError:
             row["status"] = "oom"
+        row["path"] = served_path(impl, W)
         rows.append(row)
         for x in leaves:
             x.grad = None
@@ -296,6 +300,17 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
     if W == 1 or (args.single and mode == "strong"):
         rows.append(single_row(args, device, cfg, base, shape, T_total, dtype))
     return rows
+
+
+def served_path(impl: str, W: int) -> str:
+    """What served an NSA row's per-rank compute (nsa.telemetry's "cp" decisions since the last reset):
+    "fused" (the fused kernels at a query offset), "torch" (the PyTorch branches), "plain" (W = 1: the
+    plain call); "" for the other implementations."""
+    if not impl.startswith("nsa"):
+        return ""
+    if W == 1:
+        return "plain"
+    return "+".join(sorted(telemetry.served("cp"))) or "none"
 
 
 def measure(row, fwd, fwdbwd, args, device) -> None:
@@ -406,10 +421,12 @@ def summarize(out: Path):
         if not r["fwdbwd_ms"] or r["impl"] not in ("nsa_cp", "nsa_cp_torch", "dense_cp"):
             continue
         # efficiency: against W=1 of the same call (nsa_cp at W=1 is the fused one-GPU call);
-        # efficiency_same_compute: nsa_cp against W=1 of the PyTorch branches its ranks run at W > 1.
-        same = base.get(key(r, "nsa_cp_torch")) if r["impl"] == "nsa_cp" else base.get(key(r))
-        summary.append({**{c: r[c] for c in ("mode", "impl", "shape", "world", "T_total", "T_local", "fwd_ms",
-                                             "bwd_ms", "fwdbwd_ms", "peak_mib_max")},
+        # efficiency_same_compute: against W=1 of what served the ranks (an nsa_cp row whose ranks ran the
+        # PyTorch branches is compared with nsa_cp_torch at W=1).
+        torch_ranks = r["impl"] == "nsa_cp" and r.get("path") == "torch"
+        same = base.get(key(r, "nsa_cp_torch")) if torch_ranks else base.get(key(r))
+        summary.append({**{c: r.get(c, "") for c in ("mode", "impl", "shape", "world", "T_total", "T_local",
+                                                     "fwd_ms", "bwd_ms", "fwdbwd_ms", "peak_mib_max", "path")},
                         "efficiency": eff(base.get(key(r)), r), "efficiency_same_compute": eff(same, r)})
     write_csv(out / "bench_cp_summary.csv", summary)
     try:

@@ -92,6 +92,14 @@ MUTATIONS = [
              "page = tl.load(BT + b * sbt + start // PAGE, mask=mask, other=0)",
              "page = tl.load(BT + b * sbt + i // PAGE, mask=mask, other=0)",
              ("tests/cpu/test_decode_triton_interp.py::test_kernels_on_the_paged_cache",)),
+    Mutation("selection dK/dV kernel: causal mask at the query row, not its stream position (context parallelism)",
+             "nsa/kernels/triton/selection_bwd.py",
+             "(ktok[:, None] <= tq[None, :] + q_off)", "(ktok[:, None] <= tq[None, :])",
+             ("tests/cpu/test_cp_fused_interp.py::test_offset_core_matches_one_process[mid_row_mid_window]",)),
+    Mutation("top-n kernel: query offset ignored (context parallelism)",
+             "nsa/kernels/triton/topn.py",
+             "pos_tok = t_tok + q_off - start_tok", "pos_tok = t_tok - start_tok",
+             ("tests/cpu/test_cp_fused_interp.py::test_offset_core_matches_one_process[mid_row_mid_window]",)),
 ]
 
 

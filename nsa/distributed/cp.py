@@ -27,7 +27,7 @@ from .. import telemetry
 from ..config import NSAConfig
 from ..validation import NSAInputError, Shapes, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
 from .comm import all_gather_ints, gather_kv
-from .local import compress_prefix, nsa_local
+from .local import compress_prefix, nsa_local, plan_local
 
 LAYOUTS = ("contiguous", "zigzag")
 CP_BACKENDS = ("auto", "torch")
@@ -134,8 +134,8 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
     if not isinstance(config, NSAConfig):
         raise NSAInputError(f"config must be an nsa.NSAConfig, got {type(config).__name__}")
     if backend not in CP_BACKENDS:
-        raise NSAInputError(f"with cp_group, backend must be one of {CP_BACKENDS} (each rank runs the chunked "
-                            f"PyTorch branches at a query offset), got {backend!r}")
+        raise NSAInputError(f"with cp_group, backend must be one of {CP_BACKENDS} (each rank runs the fused "
+                            f"kernels or the chunked PyTorch branches at a query offset), got {backend!r}")
     local = check_qkv(q, k, v, gates)
     for name, kv in (("kv_cmp", kv_cmp), ("kv_win", kv_win)):
         if kv is not None:
@@ -161,9 +161,9 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
     total = sum(lengths)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, Shapes(local.B, total, local.Hq, local.Hkv, local.Dk, local.Dv), q.device)
-    # On a GPU, "auto" would pick the fused kernels, which take no query offset yet: a counted fallback.
-    reason = "forced" if backend == "torch" else ("no fused kernels at a query offset" if q.is_cuda else "ok")
-    telemetry.record("cp", "torch", reason, layout=layout)
+    # The fused kernels per rank where planning takes them for the plain call of this rank's tensors.
+    plan, path, reason = plan_local(backend, q, k, v, config, kv_cmp, kv_win, cu_seqlens, block_indices is not None)
+    telemetry.record("cp", path, reason, layout=layout)
 
     srcs = [k, v] + list(kv_cmp or ()) + list(kv_win or ())
     whole = gather_kv(srcs, group, max(lengths), pieces)
@@ -178,7 +178,7 @@ def cp_nsa_attention(q, k, v, gates, config: NSAConfig, *, cp_group, cu_seqlens=
         bi = block_indices[:, c0:c0 + n] if block_indices is not None else None
         o, idx = nsa_local(q[:, c0:c0 + n], gates[:, c0:c0 + n], kf, vf, config, s, cu_seqlens=cu_seqlens,
                            kv_win=win, compressed=compressed, prefix_end=end, block_indices=bi,
-                           need_indices=return_indices, chunk=chunk_size)
+                           need_indices=return_indices, chunk=chunk_size, plan=plan)
         outs.append(o)
         idxs.append(idx)
         c0 += n

@@ -1,9 +1,13 @@
 """NSA for a segment of queries at a position offset, against the K/V of the stream before them.
 
 This is the per-rank compute of context parallelism: queries [offset, offset + Tq) of the stream see
-K/V [0, offset + Tq) (gathered from the other ranks). Every branch is the chunked PyTorch path's own
-per-chunk function (nsa.branches.*.naive) called with global query positions, so the result is the
-single-process chunked path's, query for query.
+K/V [0, offset + Tq) (gathered from the other ranks). Two paths (`plan_local` decides, once per call):
+
+- fused: where planning takes the fused dense core for the plain call of the rank's own tensors (dense
+  input), the dense core's kernels with a query offset (nsa.run.offset_core);
+- torch: every branch is the chunked PyTorch path's own per-chunk function (nsa.branches.*.naive) called
+  with global query positions, so the result is the single-process chunked path's, query for query.
+  Packed input (cu_seqlens) always takes it.
 
 Only the prefix [0, end) of the stream is touched: compressed blocks are built for it alone (a packed
 stream's offsets are clamped to `end`, which keeps exactly the blocks that end before `end`), so the
@@ -22,8 +26,27 @@ from ..branches.sliding.naive import sliding_chunk
 from ..compress import compress_kv
 from ..config import NSAConfig
 from ..layout import dense_layout, packed_layout
-from ..plan import chunk_budget
+from ..plan import chunk_budget, make_plan
 from ..run.chunked import choose_chunk
+from ..run.offset_core import run_offset
+
+
+def plan_local(backend: str, q, k, v, cfg: NSAConfig, kv_cmp, kv_win, cu_seqlens, given_indices: bool):
+    """(plan or None, path "fused" | "torch", telemetry reason) for this rank's queries: the fused path where
+    planning takes the dense core for the plain call of the rank's own tensors (the same planner, devices and
+    guards). Reasons of the torch path: "forced" (backend="torch"), "ok" (the plain call too runs chunked
+    here: the environment), "packed" (cu_seqlens: the offset kernels take dense input only) and
+    "core_<reason>" (the fused steps would not run as one node): those two are counted as fallbacks."""
+    if backend == "torch":
+        return None, "torch", "forced"
+    plan = make_plan("auto", q, k, v, cfg, kv_cmp=kv_cmp, kv_win=kv_win, given_indices=given_indices)
+    if plan.executor != "fused":
+        return None, "torch", "ok"
+    if not plan.dense_core:
+        return None, "torch", f"core_{plan.core.reason}"
+    if cu_seqlens is not None:
+        return None, "torch", "packed"
+    return plan, "fused", "ok"
 
 
 def prefix_layout(B: int, end: int, cfg: NSAConfig, cu_seqlens, device):
@@ -69,14 +92,14 @@ def compress_prefix(kc, vc, cfg: NSAConfig, end: int, B: int, cu_seqlens=None, c
 
 def nsa_local(q, gates, k, v, cfg: NSAConfig, offset: int, *, cu_seqlens=None, kv_cmp=None, kv_win=None,
               compress_fn=None, compressed=None, prefix_end=None, block_indices=None, need_indices=False,
-              chunk=None):
+              chunk=None, plan=None):
     """NSA of the queries q [B, Tq, Hq, Dk] (gates [B, Tq, Hq, 3]) at stream positions [offset, offset + Tq).
 
     k, v (and kv_cmp / kv_win) hold at least the stream's first offset + Tq tokens; cu_seqlens (int32,
     on q's device) describes the whole stream. compressed: (k_cmp, v_cmp) already made by compress_prefix
     for the first prefix_end (>= offset + Tq) tokens, else they are made here from kv_cmp (or k, v).
     Differentiable in every tensor argument. Returns (out [B, Tq, Hq, Dv] in q's dtype, int32 indices
-    [B, Tq, Hkv, n_sel] or None).
+    [B, Tq, Hkv, n_sel] or None). plan: a fused plan from plan_local (dense input): the fused path.
     """
     B, Tq, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
@@ -90,6 +113,13 @@ def nsa_local(q, gates, k, v, cfg: NSAConfig, offset: int, *, cu_seqlens=None, k
         compressed = compress_prefix(kc, vc, cfg, end, B, cu_seqlens, compress_fn)
     elif prefix_end is None or prefix_end < end:
         raise ValueError(f"compressed K/V cover the first {prefix_end} tokens, queries reach {end}")
+    if plan is not None:
+        if cu_seqlens is not None:
+            raise ValueError("the fused path at a query offset takes dense input (cu_seqlens=None)")
+        kw, vw = kv_win if kv_win is not None else (k, v)
+        given = dedupe_indices(block_indices).to(torch.int32) if block_indices is not None else None
+        out, idx = run_offset(plan, q, k, v, gates, cfg, offset, compressed[0], compressed[1], kw, vw, given)
+        return out, (idx if need_indices else None)
     scale = cfg.softmax_scale(Dk)
     ct = compute_dtype(q.dtype)
     layout = prefix_layout(B, prefix_end, cfg, cu_seqlens, q.device)

@@ -232,6 +232,8 @@ def test_bench_cp_smoke_two_ranks(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "bench_cp_w2.csv")))
     assert {(r["mode"], r["impl"]) for r in rows if r["status"] == "ok"} >= {
         ("strong", "nsa_cp"), ("strong", "dense_cp"), ("weak", "nsa_cp"), ("weak", "dense_cp")}
+    # the rows name what served the ranks (CPU: the PyTorch branches, as the plain call here)
+    assert {r["path"] for r in rows if r["impl"].startswith("nsa_cp")} == {"torch"}
     meta = json.loads((tmp_path / "bench_cp_w2.json").read_text())
     assert meta["check"]["ok"] and meta["multicast_env"]["NCCL_NVLS_ENABLE"] == "0"
     assert (tmp_path / "bench_cp_summary.csv").exists()

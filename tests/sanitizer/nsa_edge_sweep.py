@@ -6,9 +6,10 @@ tests/sanitizer/test_memcheck.py (`nox -s sanitizer`), by hand:
 Every shape the GPU tests use at its edges: T in {1, l-1, l, 65, 1000, 4097}, G in {1, 2, 4, 8, 16, 32},
 (Dk, Dv) in {(64,64), (128,128), (192,128), (256,256)}, packed input with empty and length-1 sequences,
 batches, bf16 and fp16, the dense core's forms (rows by view with V padded, the provider's call for packed
-input and Dk < Dv, one packed sequence), the top-n and selection kernels alone on fp32, and the
-sliding-window kernels alone. Small head counts keep it quick under the sanitizer. Exit status 1 when an
-output or gradient is not finite or the fused path did not run as one node.
+input and Dk < Dv, one packed sequence), the top-n and selection kernels alone on fp32, the
+sliding-window kernels alone, and context parallelism's per-rank path at stream offsets. Small head counts
+keep it quick under the sanitizer. Exit status 1 when an output or gradient is not finite or the fused path
+did not run as one node.
 """
 
 from __future__ import annotations
@@ -109,8 +110,40 @@ def main() -> int:
         ok = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
         bad += not ok
         print(f"window kernels T={T} w={w} G={G} D={D}: {'ok' if ok else 'BAD'}", flush=True)
+    bad += offset_cases(dev)
     print(f"nsa edge sweep: {bad} bad case(s)")
     return 1 if bad else 0
+
+
+def offset_cases(dev) -> int:
+    """Context parallelism's per-rank fused path (nsa.run.offset_core): queries at stream offsets against the
+    stream before them, forward and backward; offsets at 0, mid-row and mid-window, a ragged last segment,
+    two zigzag segments, a segment shorter than a row. Returns the bad cases."""
+    from nsa.distributed.local import compress_prefix, nsa_local, plan_local
+
+    bad = 0
+    for T, segs, Dk, Dv in ((4111, [(0, 1000)], 128, 128), (4111, [(1037, 2000)], 128, 128),
+                            (4111, [(3000, 1111)], 192, 128), (4111, [(5, 20), (4000, 111)], 128, 128),
+                            (700, [(33, 40)], 64, 64), (700, [(50, 7)], 64, 64)):
+        xs = [torch.randn(1, T, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+              for h, d in ((8, Dk), (2, Dk), (2, Dv))]
+        g = torch.rand(1, T, 8, 3, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = xs
+        end = max(s + n for s, n in segs)
+        local = [torch.cat([x[:, s:s + n] for s, n in segs], 1).detach() for x in xs]
+        telemetry.reset()
+        plan, path, reason = plan_local("auto", *local, CFG, None, None, None, False)
+        if path != "fused":  # the path itself is tests/gpu/test_cp_fused_gpu.py's to check
+            print(f"cp offsets T={T} segments={segs}: not fused here ({reason})", flush=True)
+            continue
+        outs = [nsa_local(q[:, s:s + n], g[:, s:s + n], k, v, CFG, s, prefix_end=end, plan=plan,
+                          compressed=compress_prefix(k, v, CFG, end, 1))[0] for s, n in segs]
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), [*xs, g])
+        torch.cuda.synchronize()
+        ok = all(bool(torch.isfinite(x).all()) for x in (*outs, *grads))
+        bad += not ok
+        print(f"cp offsets T={T} segments={segs} D={Dk}/{Dv}: {'ok' if ok else 'BAD'}", flush=True)
+    return bad
 
 
 if __name__ == "__main__":

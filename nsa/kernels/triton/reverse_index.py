@@ -65,13 +65,25 @@ def block_layout(seq_start: torch.Tensor, block_sel: int) -> tuple[torch.Tensor,
     return pos, n
 
 
-def build_reverse_index(indices: torch.Tensor, seq_start: torch.Tensor, block_sel: int) -> ReverseIndex:
-    """indices [B, T, Hkv, n] (int, -1 = none, no repeats in a row), seq_start [B, T] -> ReverseIndex."""
-    B, T, Hkv, n = indices.shape
+def build_reverse_index(indices: torch.Tensor, seq_start: torch.Tensor, block_sel: int, q_offset: int = 0,
+                        kv_seq_start: torch.Tensor | None = None) -> ReverseIndex:
+    """indices [B, T, Hkv, n] (int, -1 = none, no repeats in a row), seq_start [B, T] -> ReverseIndex.
+
+    Queries at a stream offset: the T query rows are the stream positions [q_offset, q_offset + T) and
+    the keys the stream's first Tk positions, kv_seq_start [B, Tk] giving their sequence starts. The slots
+    then run over the Tk key tokens (ReverseIndex.T = Tk) and the query lists hold query rows."""
+    B, Tq, Hkv, n = indices.shape
     dev = indices.device
-    pos, block_len = block_layout(seq_start, block_sel)
+    if kv_seq_start is None:  # the plain call: queries and keys are the same tokens
+        if q_offset:
+            raise ValueError("build_reverse_index: q_offset > 0 needs kv_seq_start (the keys' sequence starts)")
+        pos, block_len = block_layout(seq_start, block_sel)
+    else:
+        _, block_len = block_layout(kv_seq_start, block_sel)
+        pos = torch.arange(q_offset, q_offset + Tq, device=dev)[None] - seq_start.long()
+    T = block_len.shape[1]  # key tokens: the slot space
     n_keys = B * Hkv * T
-    j = indices.long().permute(0, 2, 1, 3)  # [B, Hkv, T, n]: flat order (b, h, t, i)
+    j = indices.long().permute(0, 2, 1, 3)  # [B, Hkv, Tq, n]: flat order (b, h, t, i)
     p = pos[:, None, :, None]
     valid = (j >= 0) & (j * block_sel <= p)
     s0 = seq_start.long()[:, None, :, None] + j * block_sel  # global start token of the block (< T when valid)
@@ -82,7 +94,7 @@ def build_reverse_index(indices: torch.Tensor, seq_start: torch.Tensor, block_se
     if n_keys < 2**31 - 1:
         key = key.to(torch.int32)
     sorted_key, perm = torch.sort(key, stable=True)
-    queries = (perm.div(n, rounding_mode="floor") % max(T, 1)).to(torch.int32)
+    queries = (perm.div(n, rounding_mode="floor") % max(Tq, 1)).to(torch.int32)
     bounds = torch.arange(n_keys + 1, device=dev, dtype=sorted_key.dtype)
     offsets = torch.searchsorted(sorted_key, bounds, right=False)
     return ReverseIndex(offsets=offsets, queries=queries, block_len=block_len, B=B, T=T, Hkv=Hkv)

@@ -62,23 +62,35 @@ def _check(q, k, v, indices, seq_start, block_sel):
         raise ValueError(f"block_sel must be >= 1, got {block_sel}")
 
 
-def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, combine=None):
+def _check_offset(q, k, q_offset: int):
+    if q_offset < 0 or k.shape[1] < q_offset + q.shape[1]:
+        raise ValueError(f"q_offset must be >= 0 with k, v holding the first q_offset + T = {q_offset + q.shape[1]} "
+                         f"stream positions, got q_offset={q_offset} and {k.shape[1]} K/V rows")
+
+
+def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, combine=None, q_offset: int = 0):
     """Raw forward: (o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row).
     combine = (gates, o_cmp Segments, o_win): (out, o, lse) with the gate combine done by the kernel
-    (nsa.kernels.triton.selection_fwd)."""
+    (nsa.kernels.triton.selection_fwd). q_offset: q's rows are the stream positions [q_offset, q_offset + T)
+    of K/V's rows (seq_start in stream positions)."""
     from .selection_fwd import sel_forward as forward
 
     _check(q, k, v, indices, seq_start, block_sel)
+    if q_offset:
+        _check_offset(q, k, q_offset)
     return forward(q, k, v, indices, seq_start, block_sel, scale, max_block_g=MAX_BLOCK_G, max_block_n=MAX_BLOCK_N,
-                   combine=combine)
+                   combine=combine, q_offset=q_offset)
 
 
 def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, dq_into=None,
-                 dq_more=None):
+                 dq_more=None, q_offset: int = 0, kv_seq_start=None):
     """Raw backward: (dq, dk, dv) in the dtypes of q, k, v (nsa.kernels.triton.selection_bwd: no atomics).
-    dq_into / dq_more: other gradients of q, to which this branch's dq is added (see selection_bwd)."""
+    dq_into / dq_more: other gradients of q, to which this branch's dq is added (see selection_bwd).
+    q_offset / kv_seq_start: as in selection_bwd.backward_launches (queries at a stream offset)."""
+    if q_offset:
+        _check_offset(q, k, q_offset)
     return selection_bwd.sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel, scale, dq_into=dq_into,
-                                      dq_more=dq_more)
+                                      dq_more=dq_more, q_offset=q_offset, kv_seq_start=kv_seq_start)
 
 
 class SelectedAttentionTriton(torch.autograd.Function):

@@ -131,7 +131,7 @@ def _sel_bwd_dq_kernel(
     slb, slt, slh,
     sdqb, sdqt, sdqh, sdqd,
     s2b, s2t, s2h, s2d, t2_lo, t2_hi,
-    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale,
+    Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale, q_off,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
@@ -152,7 +152,7 @@ def _sel_bwd_dq_kernel(
     heads = (h * G + rg).to(tl.int64)
 
     start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
-    pos = t - start
+    pos = t + q_off - start  # q_off: the stream position of row 0 (K/V rows are stream positions)
 
     q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
                 mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
@@ -215,7 +215,7 @@ def _sel_bwd_dkdv_kernel(
     sdkb, sdkt, sdkh, sdkd,
     sdvb, sdvt, sdvh, sdvd,
     spp, spn,
-    Hkv, G, Dk, Dv, qk_scale, sm_scale,
+    Hkv, G, Dk, Dv, qk_scale, sm_scale, q_off,
     BG: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
     N_FIELDS: tl.constexpr,
@@ -266,7 +266,7 @@ def _sel_bwd_dkdv_kernel(
                 delta = tl.load(DELTA + b * slb + tq * slt + heads * slh, mask=row_ok, other=0.0)
                 row_ok = row_ok & (lse > float("-inf"))
                 lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
-                valid = kin[:, None] & row_ok[None, :] & (ktok[:, None] <= tq[None, :])
+                valid = kin[:, None] & row_ok[None, :] & (ktok[:, None] <= tq[None, :] + q_off)
                 st = _dot(kb, tl.trans(qr), IEEE)  # [BLOCK_N, ROWS]
                 pt = tl.where(valid, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
                 dv += _dot(pt, dor, IEEE)
@@ -334,25 +334,28 @@ def _empty(shape, like, dtype=None):
 
 
 def sel_backward(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, dq_into=None,
-                 dq_more=None):
+                 dq_more=None, q_offset: int = 0, kv_seq_start=None):
     """(dq, dk, dv) in the dtypes of q, k, v. indices: no repeated block in a row (the entry point
     deduplicates). dq_into: a [B, T, Hq, Dk] tensor of q's dtype holding other gradients of q; this
     branch's dq is added to it in place (and it is returned as dq). dq_more: (x, t_lo), more of them for
     tokens [t_lo, t_lo + x.shape[1]) (x [B, n, Hq, Dk], any strides), added too (needs dq_into)."""
     grads, launches = backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel, scale,
-                                        dq_into=dq_into, dq_more=dq_more)
+                                        dq_into=dq_into, dq_more=dq_more, q_offset=q_offset,
+                                        kv_seq_start=kv_seq_start)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return grads
 
 
 def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, scale: float, cfg=None,
-                      n_programs=None, dq_into=None, dq_more=None):
+                      n_programs=None, dq_into=None, dq_more=None, q_offset: int = 0, kv_seq_start=None):
     """((dq, dk, dv), launches): the outputs and an iterator of the kernel launches that fill them, in order
     (dq + delta, dk/dv, reduce), each (kernel, grid, args, kwargs). The reverse index and the work plan are
     built when the iterator reaches the dK/dV launch: after the dq kernel has been launched, so their
     small device operations are issued while it runs instead of delaying it (at 8k they are host-bound).
-    cfg / n_programs: launch parameters for another device than q's (ahead-of-time compile checks)."""
+    cfg / n_programs: launch parameters for another device than q's (ahead-of-time compile checks).
+    q_offset: q's rows are the stream positions [q_offset, q_offset + T) of k, v's rows; kv_seq_start
+    [B, Tk] gives the sequence start of each of k's rows (needed when q_offset > 0; seq_start otherwise)."""
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     if dq_into is not None and (dq_into.shape != q.shape or dq_into.dtype != q.dtype):
@@ -379,18 +382,18 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
         q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq, dq2,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
-        Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale,
+        Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale, q_offset,
     ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, **dqc))
 
     def launches():
         yield dq_launch
-        plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"])
+        plan = plan_backward(indices, seq_start, block_sel, cfg["chunk"], q_offset, kv_seq_start)
         part = torch.empty(plan.n_partials_bound, cfg["ls_pad"], Dk + Dv, device=q.device, dtype=torch.float32)
         yield (_sel_bwd_dkdv_kernel, (max(1, min(n_programs, plan.items.shape[0] * cfg["n_sub"])),), (
             q, k, v, do, lse, delta, dk, dv, part, plan.items, plan.n_items, plan.queries,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
             part.stride(0), part.stride(1),
-            Hkv, G, Dk, Dv, qk_scale, scale,
+            Hkv, G, Dk, Dv, qk_scale, scale, q_offset,
         ), dict(N_SUB=cfg["n_sub"], IEEE=cfg["ieee"], N_FIELDS=ITEM_FIELDS, **cfg["dkdv"]))
         yield (_sel_bwd_reduce_kernel, (n_programs,), (
             part, dk, dv, plan.reduce, plan.n_reduce,
@@ -401,9 +404,9 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     return (dq, dk, dv), launches()
 
 
-def plan_backward(indices, seq_start, block_sel: int, chunk: int):
+def plan_backward(indices, seq_start, block_sel: int, chunk: int, q_offset: int = 0, kv_seq_start=None):
     """The reverse index and the dK/dV work plan (device tensors only, no host sync)."""
-    return plan_work(build_reverse_index(indices, seq_start, block_sel), chunk)
+    return plan_work(build_reverse_index(indices, seq_start, block_sel, q_offset, kv_seq_start), chunk)
 
 
 __all__ = ["sel_backward", "backward_launches", "plan_backward", "bwd_config"]

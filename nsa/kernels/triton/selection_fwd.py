@@ -69,7 +69,7 @@ def _sel_fwd_kernel(
     ssb, sst,
     sob, sot, soh, sod,
     slb, slt, slh,
-    T, Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale,
+    T, Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, q_off,
     GT, A, A2, W, OUT, a_lo, a_hi, a2_hi,
     sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -94,7 +94,7 @@ def _sel_fwd_kernel(
         t = (tl.program_id(0) * TOKENS + tt).to(tl.int64)
         if t < T:
             start = tl.load(SS + b * ssb + t * sst).to(tl.int64)
-            pos = t - start
+            pos = t + q_off - start  # q_off: the stream position of row 0 (K/V rows are stream positions)
             q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
                         mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
             idx_base = IDX + b * sib + t * sit + h * sih
@@ -164,9 +164,11 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
 
 
 def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, config: dict | None = None,
-                max_block_g: int = 64, max_block_n: int = 64, combine=None):
+                max_block_g: int = 64, max_block_n: int = 64, combine=None, q_offset: int = 0):
     """(o [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq] fp32 natural log, -inf = empty row).
     indices int32 [B, T, Hkv, n]; seq_start int [B, T]; config overrides launch_config's choices.
+    q_offset: q's rows are the stream's positions [q_offset, q_offset + T) (k, v hold the stream from
+    position 0 on, seq_start gives each row's sequence start in stream positions); 0 for the plain call.
 
     combine = (gates, o_cmp Segments, o_win): the gate combine runs in the kernel's epilogue and the result
     is (out, o, lse). At T=64k on an H200 (bf16, Hq=64, Hkv=4, D=128) that takes 14.00 ms against 14.45
@@ -202,7 +204,7 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     _sel_fwd_kernel[grid](
         q, k, v, kd, vd, indices, seq_start, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
-        T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E, *comb_args,
+        T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E, q_offset, *comb_args,
         IEEE=q.dtype == torch.float32, COMBINE=combine is not None, **meta,
     )
     return (o, lse) if combine is None else (out, o, lse)

@@ -103,7 +103,7 @@ def _topn_kernel(
     scb, sct,
     sib, sit, sih, sin,
     T, Hkv, G, D, n_sel, n_init, n_local, qk_scale,
-    n_tiles,
+    n_tiles, q_off,
     R: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr,
     STRIDE: tl.constexpr, BLOCK_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -124,7 +124,7 @@ def _topn_kernel(
     t_tok64 = t_tok.to(tl.int64)
     start_tok = tl.load(SS + b * ssb + t_tok64 * sst, mask=tok_ok, other=0).to(tl.int32)
     slot0_tok = tl.load(SC0 + b * scb + t_tok64 * sct, mask=tok_ok, other=0).to(tl.int32)
-    pos_tok = t_tok - start_tok
+    pos_tok = t_tok + q_off - start_tok  # q_off: the stream position of row 0
     jt_tok = pos_tok // BLOCK_SEL
     # Last compressed block the token sees (i*d + l - 1 <= pos), -1 for none; an offset keeps // a floor.
     last_tok = (pos_tok + 1 - BLOCK_CMP + STRIDE) // STRIDE - 1
@@ -324,8 +324,10 @@ def launch_table(D: int, dtype: torch.dtype, capability) -> dict:
     return own if own is not None else tile_config(D, dtype)
 
 
-def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None):
-    """Selection blocks int32 [B, T, Hkv, n_sel] for every query (see the module doc for the contract)."""
+def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | None = None, q_offset: int = 0):
+    """Selection blocks int32 [B, T, Hkv, n_sel] for every query (see the module doc for the contract).
+    q_offset: q's rows (and lse's, seq_start's, cmp_slot0's) are the stream's positions [q_offset,
+    q_offset + T); k_cmp holds the compressed blocks of the stream from position 0 on."""
     B, T, Hq, Dk = q.shape
     Hkv = k_cmp.shape[2]
     G = Hq // Hkv
@@ -357,7 +359,7 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     _topn_kernel[(n_tiles, B * Hkv)](
         q, k_cmp, qd, kcd, lse, seq_start, cmp_slot0, idx,
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
-        T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles,
+        T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles, q_offset,
         R=r, C=c, C_PAD=c_pad, STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
         BLOCK_D=block_d, R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
         EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32, SHIFT_TAIL=shift,

@@ -19,7 +19,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from ..compiling import trace_constant
+from ..compiling import compiling, trace_constant
 from ..hooks import HOOKS
 from ..kernels.device import Failure, device_capability
 from ..kernels.fa2.base import Fa2Provider
@@ -53,10 +53,21 @@ class SdpaProvider:
         return None
 
 
-@trace_constant  # probes imports and the device: under torch.compile, once when the caller is traced
 def available(prov, device, forced: bool) -> tuple[bool, str]:
-    """(ok, why not) of prov.availability(device, forced): whether the provider can run here at all."""
+    """(ok, why not) of prov.availability(device, forced): whether the provider can run here at all. Under
+    torch.compile the probe runs once, when the caller is traced, on the provider found by its name: Dynamo
+    passes only constants into such a call (torch 2.11 refuses a provider object there)."""
+    if compiling():
+        return _available_by_name(prov.name, device, forced)
     return prov.availability(device, forced)
+
+
+@trace_constant  # probes imports and the device: under torch.compile, once when the caller is traced
+def _available_by_name(name: str, device, forced: bool) -> tuple[bool, str]:
+    for prov in (*providers().values(), cudnn(), *TRITON.values()):
+        if prov.name == name:
+            return prov.availability(device, forced)
+    raise KeyError(f"no provider named {name!r}")
 
 
 def guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure | None:

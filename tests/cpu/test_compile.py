@@ -273,3 +273,13 @@ def test_operator_contracts(fused, gen, name):
         args = (gates, *(torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True) for _ in range(3)))
     torch.library.opcheck(getattr(torch.ops.nsa, name).default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_planning_on_a_pretended_gpu_traces(gen, monkeypatch):
+    """Planning as on a Hopper GPU (every FA-2-family provider and cuDNN probed) traces with no break: the
+    availability probes run at trace time on constants (a provider's name), never on a provider object,
+    which torch 2.11's Dynamo refuses as an argument of such a call."""
+    monkeypatch.setattr(HOOKS, "pretend_gpu", (9, 0))
+    args = _inputs(gen, 1, 40, 4, 1, 16)
+    compiled = torch.compile(lambda *a: nsa_attention(*a, CFG), fullgraph=True, backend="eager")
+    assert rel_err(compiled(*args), nsa_attention(*args, CFG)) <= 1e-6

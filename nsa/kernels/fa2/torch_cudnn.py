@@ -33,6 +33,13 @@ MIN_KEYS = 2  # cuDNN's backward: "s_q = s_kv = 1 is not supported"
 MIN_CAPABILITY = (9, 0)
 
 
+@trace_constant  # reads cuDNN's version: under torch.compile, once when the caller is traced (constants only)
+def cudnn_max_head_dim(version: int | None = None) -> int:
+    """The widest head dim cuDNN attention takes here (version: a test's pretended cuDNN version)."""
+    version = version or torch.backends.cudnn.version() or 0
+    return MAX_HEAD_DIM_WIDE if version >= WIDE_HEADS_CUDNN else MAX_HEAD_DIM
+
+
 def torch_cudnn_status() -> tuple[bool, str]:
     """(the cuDNN attention entry point exists and cuDNN is usable, reason)."""
     if not torch.cuda.is_available():
@@ -56,10 +63,8 @@ class TorchCudnnProvider(Fa2Provider):
         self.kernel = kernel  # None: torch.ops.aten._scaled_dot_product_cudnn_attention; tests pass an emulation
         self.cudnn_version: int | None = None  # None: torch.backends.cudnn.version(); tests pretend one
 
-    @trace_constant  # reads cuDNN's version: under torch.compile, once when the caller is traced
     def max_head_dim(self) -> int:
-        version = self.cudnn_version or torch.backends.cudnn.version() or 0
-        return MAX_HEAD_DIM_WIDE if version >= WIDE_HEADS_CUDNN else MAX_HEAD_DIM
+        return cudnn_max_head_dim(self.cudnn_version)
 
     def availability(self, device, forced):
         return self._settled(device, self.kernel, "kernel") or torch_cudnn_status()

@@ -192,7 +192,7 @@ def fa2_guard(prov, branch: str, ctx, toggles: Toggles, forced: bool) -> Failure
 # head dim 192: compute-sanitizer reports 4-byte writes just after the [1, 1, 65] LSE of the sliding branch's call
 # at T=65, Dk=192 / Dv=128 (the combine kernel's rows past seqlen_q are not masked). Split-KV runs where batch x
 # heads x ceil(Tq / 64) is below 0.8 x twice the SM count (flash-attn's heuristic); such calls are small, and the
-# next provider serves them. Varlen calls never split.
+# next provider serves them. Varlen calls never split, nor calls whose keys fit one 64-key block.
 SPLITKV_UNSAFE_HEAD_DIMS = {"torch_flash": (192,)}
 
 
@@ -203,7 +203,7 @@ def check_splitkv(prov, branch: str, ctx) -> Failure | None:
         return None
     sms = sm_count(ctx.device)
     rows = ctx.B * ctx.Hq * -(-ctx.T // 64)
-    if sms and rows < 2 * sms:
+    if sms and ctx.T > 64 and rows < 2 * sms:  # keys in one block of 64 (head dim 192's tile): never split
         return Failure("splitkv_lse", f"{prov.name}'s split-KV path at head dim {d} writes past its LSE "
                        f"(B x Hq x ceil(T/64) = {rows} < {2 * sms}, twice the SM count): the next provider serves")
     return None

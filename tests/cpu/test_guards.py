@@ -169,3 +169,4 @@ def test_splitkv_guard_keeps_head_dim_192_windows_off_torchs_split_kv_path(monke
     assert rules.check_splitkv(flash, "cmp", ctx(65)) is None
     assert rules.check_splitkv(flash, "win", ctx(65, packed=True)) is None
     assert rules.check_splitkv(other, "win", ctx(65)) is None
+    assert rules.check_splitkv(flash, "win", ctx(64)) is None  # one key block: never split

@@ -63,3 +63,28 @@ def assert_fa2_served(provider, branches=("cmp", "win"), forced=False, also=()):
 
 def run(q, k, v, g, cfg, backend, **kw):
     return nsa_attention(q, k, v, g, cfg, backend=backend, **kw)
+
+
+def splitkv_refused(backend, q, v, cu=None) -> bool:
+    """Whether forcing `backend` refuses this call's sliding branch: torch's FA-2 split-KV path at head dim
+    192 writes past its LSE (nsa.plan.rules.check_splitkv), so small dense calls there raise NSAInputError."""
+    from types import SimpleNamespace
+
+    from nsa.plan import rules
+
+    B, T, Hq, Dk = q.shape
+    ctx = SimpleNamespace(B=B, T=T, Hq=Hq, Dk=Dk, Dv=v.shape[-1], packed=cu is not None, device=q.device)
+    return rules.check_splitkv(SimpleNamespace(name=backend), "win", ctx) is not None
+
+
+def run_unless_refused(q, k, v, g, cfg, backend, **kw):
+    """run(), or None after checking that a call splitkv_refused() refuses raises NSAInputError naming why."""
+    import pytest
+
+    from nsa.validation import NSAInputError
+
+    if splitkv_refused(backend, q, v, kw.get("cu_seqlens")):
+        with pytest.raises(NSAInputError, match="splitkv_lse"):
+            run(q, k, v, g, cfg, backend, **kw)
+        return None
+    return run(q, k, v, g, cfg, backend, **kw)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..branches.fa2_call import padded_head_dim
-from ..compiling import compiling
+from ..compiling import compiling, trace_constant
 from ..kernels.device import ADA, Failure, device_capability, sm_count
 from ..kernels.fa2.base import FA2_DTYPES
 from ..toggles import Toggles, env_bool
@@ -38,6 +38,7 @@ FA2_MAX_HEAD_DIM = 256
 # (A100, H100); sm86 / sm87 / sm89 run the forward up to 256 but the backward only up to 192.
 SM8X_SMALL_SMEM_BWD_MAX = 192
 THRESHOLDS_FILE = Path(__file__).resolve().parents[1] / "fa2_thresholds.json"
+_THRESHOLDS_PATH = str(THRESHOLDS_FILE)  # a string: Dynamo passes only constants to _table_min_len
 DEFAULT_MIN_LEN = 16
 
 def check_device(device: torch.device, toggles: Toggles, capability=None) -> Failure | None:
@@ -125,8 +126,12 @@ def min_len(branch: str, head_dim: int, capability, toggles: Toggles, path: Path
     env = toggles.min_len(branch)
     if env is not None:
         return env, f"NSA_FA2_MIN_LEN_{branch.upper()}"
+    return _table_min_len(branch, head_dim, gpu_class(capability), _THRESHOLDS_PATH if path is None else str(path))
+
+
+@trace_constant  # reads a file: under torch.compile, once when the caller is traced (constant arguments only)
+def _table_min_len(branch: str, head_dim: int, cls: str | None, path: str) -> tuple[int, str]:
     table = thresholds(path)
-    cls = gpu_class(capability)
     for e in table.get("entries", []):
         if e.get("gpu_class") == cls and int(e.get("head_dim", -1)) == head_dim and branch in e:
             return int(e[branch]), f"fa2_thresholds.json {cls} D={head_dim}"

@@ -283,3 +283,17 @@ def test_planning_on_a_pretended_gpu_traces(gen, monkeypatch):
     args = _inputs(gen, 1, 40, 4, 1, 16)
     compiled = torch.compile(lambda *a: nsa_attention(*a, CFG), fullgraph=True, backend="eager")
     assert rel_err(compiled(*args), nsa_attention(*args, CFG)) <= 1e-6
+
+
+def test_fa2_thresholds_file_read_at_trace_time(monkeypatch):
+    """The FA-2 minimum lengths come from fa2_thresholds.json where no NSA_FA2_MIN_LEN_* is set (as on a GPU
+    host): the file is read at trace time with constant arguments, not traced (os.stat is not traceable)."""
+    from nsa import toggles
+    from nsa.plan import rules
+
+    for var in ("NSA_FA2_MIN_LEN_WIN", "NSA_FA2_MIN_LEN_CMP"):
+        monkeypatch.delenv(var, raising=False)
+    want = rules.min_len("win", 128, (9, 0), toggles.read())[0]
+    fn = torch.compile(lambda x: x * rules.min_len("win", 128, (9, 0), toggles.read())[0], fullgraph=True,
+                       backend="eager")
+    assert fn(torch.ones(2)).tolist() == [want, want]

@@ -30,6 +30,10 @@ rows) to --out; rank 0 then merges every bench_cp_w*.csv there into bench_cp_sum
 against W=1 of the same implementation: t1 / (W tW) for strong scaling, t1 / tW for weak; also
 efficiency_same_compute, against W=1 of what served the ranks: nsa_cp_torch for nsa_cp rows on the torch
 path) and bench_cp.png (matplotlib; skipped with a message without it).
+--longest: after the timed cases, the longest stream one nsa_cp forward+backward fits at this world size
+(tokens per rank doubling from --longest-from, then bisection), rows of mode "longest" in
+bench_cp_longest_w{W}.csv; rank 0 merges them into bench_cp_longest.csv (longest per shape and W, and the
+ratio to one GPU's longest). Run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at every W alike.
 --check (on by default): before timing, a small stream in fp32 through cp_group against the one-process
 call on every rank (outputs and q/k/v/gate gradients); exit status 1 when it disagrees.
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
@@ -80,7 +84,8 @@ def parse_args(argv=None):
                    help="how the stream is split (zigzag balances the compressed branch's causal cost)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--impls", default="nsa_cp,nsa_cp_torch,dense_cp,dense_ring", help="which implementations to time")
+    p.add_argument("--impls", default="nsa_cp,nsa_cp_torch,dense_cp,dense_ring,nsa_1gpu",
+                   help="which implementations to time")
     p.add_argument("--single", action="store_true", help="also time the one-GPU call on rank 0 of a W>1 run")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="check cp_group against the one-process call before timing")
@@ -91,6 +96,15 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes and blocks on CPU over gloo")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no new case after this many seconds (its rows say 'skipped: time budget')")
+    p.add_argument("--baseline-iters", type=int, default=None,
+                   help="timed iterations of the dense rows (default: --iters; dense is slow at 256k on one GPU)")
+    p.add_argument("--longest", action="store_true",
+                   help="find the longest stream one nsa_cp forward+backward fits at this world size (after "
+                        "the timed cases; pass --strong-T '' --weak-T '' for the search alone)")
+    p.add_argument("--longest-from", type=int, default=131072, help="tokens per rank of the search's first try")
+    p.add_argument("--longest-max", type=int, default=1 << 24, help="tokens per rank the search does not pass")
+    p.add_argument("--longest-refine", type=int, default=2,
+                   help="bisection steps between the last stream that fits and the first that does not")
     return p.parse_args(argv)
 
 
@@ -117,12 +131,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn, args, device):
-    """Median over iters of the slowest rank's ms per call (a barrier before each)."""
+def timed(fn, args, device, iters=None):
+    """Median over iters (default args.iters) of the slowest rank's ms per call (a barrier before each)."""
     for _ in range(args.warmup):
         fn()
     times = []
-    for _ in range(args.iters):
+    for _ in range(iters or args.iters):
         dist.barrier()
         sync(device)
         t0 = time.perf_counter()
@@ -239,6 +253,16 @@ def check(args, device, cfg, spec):
     return float(worst) < 1e-4, errs
 
 
+def local_leaves(T_local, shape, dtype, device):
+    """This rank's own random q, k, v, gates (leaves that require grad) and an output gradient."""
+    Hq, Hkv, Dk, Dv = shape
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    leaves = [torch.randn(1, T_local, h, d, generator=gen, device=device, dtype=dtype).requires_grad_()
+              for h, d in ((Hq, Dk), (Hkv, Dk), (Hkv, Dv))]
+    leaves.append(torch.rand(1, T_local, Hq, 3, generator=gen, device=device, dtype=dtype).requires_grad_())
+    return leaves, torch.randn(1, T_local, Hq, Dv, generator=gen, device=device, dtype=dtype)
+
+
 def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, impls, mesh):
     W = dist.get_world_size()
     rows = []
@@ -246,14 +270,7 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
             "T_local": T_total // W, "Hq": shape[0], "Hkv": shape[1], "Dk": shape[2], "Dv": shape[3]}
     # Timing needs no common stream: each rank draws its own slice (the whole stream on every rank would
     # cost T_total * Hq * Dk elements per rank, 6 GB at 256k tokens).
-    Hq, Hkv, Dk, Dv = shape
-    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    T_local = T_total // W
-    leaves = [torch.randn(1, T_local, h, d, generator=gen, device=device, dtype=dtype).requires_grad_()
-              for h, d in ((Hq, Dk), (Hkv, Dk), (Hkv, Dv))]
-    leaves.append(torch.rand(1, T_local, Hq, 3, generator=gen, device=device, dtype=dtype).requires_grad_())
-    local = leaves
-    dout = torch.randn_like(local[0][..., : shape[3]])
+    leaves, dout = local_leaves(T_total // W, shape, dtype, device)
 
     def nsa_fwd():
         with torch.no_grad():
@@ -286,7 +303,7 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
         row = dict(base, impl=impl, backend=backends[impl], status="ok")
         telemetry.reset()
         try:
-            measure(row, *cases[impl], args, device)
+            measure(row, *cases[impl], args, device, None if impl.startswith("nsa") else args.baseline_iters)
         except torch.OutOfMemoryError:
             row["status"] = "oom"
         row["path"] = served_path(impl, W)
@@ -297,7 +314,7 @@ def run_case(args, device, cfg, spec, mode, shape_name, shape, T_total, dtype, i
             torch.cuda.empty_cache()
     if "dense_ring" in impls:
         rows.append(ring_row(args, device, base, shape, T_total, dtype, mesh, dout))
-    if W == 1 or (args.single and mode == "strong"):
+    if (W == 1 and "nsa_1gpu" in impls) or (W > 1 and args.single and mode == "strong"):
         rows.append(single_row(args, device, cfg, base, shape, T_total, dtype))
     return rows
 
@@ -313,10 +330,10 @@ def served_path(impl: str, W: int) -> str:
     return "+".join(sorted(telemetry.served("cp"))) or "none"
 
 
-def measure(row, fwd, fwdbwd, args, device) -> None:
+def measure(row, fwd, fwdbwd, args, device, iters=None) -> None:
     """Fill a row's forward, forward+backward and backward times and the ranks' peak memory."""
-    row["fwd_ms"] = timed(fwd, args, device)
-    row["fwdbwd_ms"] = timed(fwdbwd, args, device)
+    row["fwd_ms"] = timed(fwd, args, device, iters)
+    row["fwdbwd_ms"] = timed(fwdbwd, args, device, iters)
     row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
     peaks = peak_mib(fwdbwd, device)
     if peaks:
@@ -344,7 +361,7 @@ def ring_row(args, device, base, shape, T_total, dtype, mesh, dout):
         def fwdbwd():
             dense_ring(*fresh(), mesh)  # forward and backward inside the context
 
-        measure(row, fwd, fwdbwd, args, device)
+        measure(row, fwd, fwdbwd, args, device, args.baseline_iters)
     except Exception as exc:  # noqa: BLE001 - recorded in the row: torch's experimental API varies by release
         row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return row
@@ -381,6 +398,104 @@ def single_row(args, device, cfg, base, shape, T_total, dtype):
             row["status"] = "oom"
     dist.barrier()
     return row
+
+
+def longest(args, device, cfg, spec, shape_name, shape, dtype, out: Path, started: float) -> list[dict]:
+    """The longest stream whose nsa_cp forward+backward fits at this world size. Tokens per rank double from
+    --longest-from until a try runs out of memory (or passes --longest-max), then --longest-refine bisection
+    steps between the last fit and the first failure (a first try that does not fit halves instead). One call
+    per try, after one small call that compiles the kernels. Rows of mode "longest" (status ok / oom), written
+    to bench_cp_longest_w{W}.csv after every try: a rank that runs out of memory while another waits in a
+    collective can hang the group, and what was measured before stays."""
+    W, rank = dist.get_world_size(), dist.get_rank()
+    quantum = 2 * W * (16 if args.smoke else 1024)  # zigzag halves of whole blocks on every rank
+    rows: list[dict] = []
+
+    def attempt(t_local: int, record: bool = True) -> bool:
+        T = max(quantum, t_local * W // quantum * quantum)
+        row = {"mode": "longest", "impl": "nsa_cp", "shape": shape_name, "world": W, "layout": spec.layout,
+               "T_total": T, "T_local": T // W, "Hq": shape[0], "Hkv": shape[1], "Dk": shape[2], "Dv": shape[3],
+               "backend": "auto", "status": "ok"}
+        ms, peak, ok = 0.0, 0.0, 1.0
+        telemetry.reset()
+        try:
+            leaves, dout = local_leaves(T // W, shape, dtype, device)
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            nsa_attention(*leaves, cfg, cp_group=spec).backward(dout)
+            sync(device)
+            ms = (time.perf_counter() - t0) * 1e3
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+        except torch.OutOfMemoryError:
+            ok = 0.0
+        leaves = dout = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # one collective per try, the same on every rank: (fits, ms, peak MiB) of each
+        where = device if dist.get_backend() == "nccl" else "cpu"
+        mine = torch.tensor([ok, ms, peak], dtype=torch.float64, device=where)
+        every = [torch.zeros_like(mine) for _ in range(W)]
+        dist.all_gather(every, mine)
+        fits = all(float(e[0]) == 1.0 for e in every)
+        row["status"] = "ok" if fits else "oom"
+        if fits:
+            row["fwdbwd_ms"] = round(max(float(e[1]) for e in every), 2)
+            peaks = [round(float(e[2]), 1) for e in every]
+            row["peak_mib_max"], row["peak_mib_ranks"] = max(peaks), ";".join(map(str, peaks))
+        row["path"] = served_path("nsa_cp", W)
+        if record:
+            rows.append(row)
+            if rank == 0:
+                write_csv(out / f"bench_cp_longest_w{W}.csv", rows, COLUMNS)
+                print({k: row.get(k) for k in ("shape", "world", "T_total", "fwdbwd_ms", "peak_mib_max", "status")},
+                      flush=True)
+        return fits
+
+    attempt(min(8192, args.longest_from), record=False)
+    fit, fail, t = None, None, args.longest_from
+    while quantum // W <= t <= args.longest_max and not over_budget(started, args.budget_s, device):
+        if attempt(t):
+            fit, t = t, t * 2
+            if fail is not None:
+                break
+        else:
+            fail, t = t, t // 2
+            if fit is not None:
+                break
+    for _ in range(args.longest_refine if fit and fail else 0):
+        mid = (fit + fail) // 2
+        if mid - fit < quantum // W or over_budget(started, args.budget_s, device):
+            break
+        if attempt(mid):
+            fit = mid
+        else:
+            fail = mid
+    return rows
+
+
+def summarize_longest(out: Path) -> list[dict]:
+    """bench_cp_longest.csv: per shape and world size the longest stream that fit, the shortest that did not,
+    and the ratio to one GPU's longest."""
+    rows = [r for f in sorted(out.glob("bench_cp_longest_w*.csv")) for r in read_csv(f)]
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        k = (r["shape"], int(r["world"]))
+        b = best.setdefault(k, {"shape": r["shape"], "world": int(r["world"]), "longest_T": 0, "first_oom_T": "",
+                                "fwdbwd_ms": "", "peak_mib_max": ""})
+        T = int(r["T_total"])
+        if r["status"] == "ok" and T > b["longest_T"]:
+            b.update(longest_T=T, fwdbwd_ms=r["fwdbwd_ms"], peak_mib_max=r["peak_mib_max"])
+        elif r["status"] == "oom" and (b["first_oom_T"] == "" or T < b["first_oom_T"]):
+            b["first_oom_T"] = T
+    table = sorted(best.values(), key=lambda b: (b["shape"], b["world"]))
+    for b in table:
+        one = best.get((b["shape"], 1))
+        b["x_one_gpu"] = round(b["longest_T"] / one["longest_T"], 2) if one and one["longest_T"] else ""
+    if table:
+        write_csv(out / "bench_cp_longest.csv", table)
+    return table
 
 
 def over_budget(started: float, budget_s: float, device) -> bool:
@@ -500,10 +615,21 @@ def main(argv=None):
                 for r in rows[-4:]:
                     print({k: r.get(k) for k in ("mode", "impl", "shape", "world", "T_total", "fwd_ms", "bwd_ms",
                                                  "peak_mib_max", "status")}, flush=True)
+    if args.longest and not args.check_only:
+        shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
+        dtype = torch.float32 if args.smoke else parse_dtype(args.dtype)
+        for name, shape in shapes.items():
+            longest(args, device, cfg, spec, name, shape, dtype, out, started)
+        if rank == 0:
+            for b in summarize_longest(out):
+                print(f"bench_cp: longest {b['shape']} W={b['world']}: {b['longest_T']} tokens "
+                      f"(first out of memory: {b['first_oom_T'] or 'none tried'}; x one GPU: {b['x_one_gpu']})",
+                      flush=True)
     meta["telemetry"] = telemetry.snapshot()
     if rank == 0:
-        write_csv(out / f"bench_cp_w{W}.csv", rows, COLUMNS)
-        write_json(out / f"bench_cp_w{W}.json", {**meta, "rows": rows})
+        if rows or not args.longest:
+            write_csv(out / f"bench_cp_w{W}.csv", rows, COLUMNS)
+            write_json(out / f"bench_cp_w{W}.json", {**meta, "rows": rows})
         if rows:
             summarize(out)
         print(f"bench_cp: wrote {out}", flush=True)

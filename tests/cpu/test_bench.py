@@ -288,3 +288,50 @@ def test_bench_decode_config_and_steps(tmp_path):
         dec.parse_args(["--config", str(bad)])
     with pytest.raises(SystemExit, match="No such file"):
         dec.parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("start, fits_up_to, expect", [
+    # doubling 64, 128, 256 (out of memory), then bisection: 192 fits, 224 does not, 208 is below a quantum
+    (64, 200, {64: "ok", 128: "ok", 256: "oom", 192: "ok", 224: "oom"}),
+    # a first try that does not fit halves until one does, then bisects (112 is within a quantum of 96)
+    (512, 100, {512: "oom", 256: "oom", 128: "oom", 64: "ok", 96: "ok"}),
+])
+def test_bench_cp_longest_search(tmp_path, monkeypatch, start, fits_up_to, expect):
+    """bench_cp --longest: the tries and their verdicts when a call past `fits_up_to` tokens runs out of memory,
+    every try on disk, and the summary's longest stream and first failure."""
+    import time
+
+    import torch.distributed as dist
+
+    from nsa.distributed import ContextParallel
+
+    bench_cp = _load("bench_cp")
+    real = bench_cp.nsa_attention
+
+    def fake(q, *a, **kw):
+        if q.shape[1] > fits_up_to:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(bench_cp, "nsa_attention", fake)
+    args = bench_cp.parse_args(["--smoke", "--out", str(tmp_path), "--longest", "--longest-from", str(start),
+                                "--longest-refine", "3"])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        spec = ContextParallel(dist.group.WORLD, layout="zigzag")
+        rows = bench_cp.longest(args, torch.device("cpu"), bench_cp.SMOKE_CFG, spec, "small",
+                                bench_cp.SMOKE_SHAPES["small"], torch.float32, tmp_path, time.perf_counter())
+    finally:
+        dist.destroy_process_group()
+    assert {r["T_total"]: r["status"] for r in rows} == expect
+    assert len(rows) == len(expect)  # no length tried twice
+    on_disk = list(csv.DictReader(open(tmp_path / "bench_cp_longest_w1.csv")))
+    assert [(int(r["T_total"]), r["status"]) for r in on_disk] == list(expect.items())
+    fit = max(T for T, s in expect.items() if s == "ok")
+    # a second world size's search next to it: the summary gives its ratio to one GPU's longest
+    bench_cp.write_csv(tmp_path / "bench_cp_longest_w4.csv",
+                       [dict(on_disk[0], world="4", T_total=str(4 * fit), status="ok")])
+    table = {b["world"]: b for b in bench_cp.summarize_longest(tmp_path)}
+    assert table[1]["longest_T"] == fit and table[1]["first_oom_T"] == min(T for T, s in expect.items()
+                                                                          if s == "oom" and T > fit)
+    assert table[4]["x_one_gpu"] == 4.0

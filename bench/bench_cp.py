@@ -97,7 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no new case after this many seconds (its rows say 'skipped: time budget')")
     p.add_argument("--baseline-iters", type=int, default=None,
-                   help="timed iterations of the dense rows (default: --iters; dense is slow at 256k on one GPU)")
+                   help="timed iterations of the dense rows, after one warm-up call (default: --iters and --warmup; "
+                        "dense is slow at 256k on one GPU)")
     p.add_argument("--longest", action="store_true",
                    help="find the longest stream one nsa_cp forward+backward fits at this world size (after "
                         "the timed cases; pass --strong-T '' --weak-T '' for the search alone)")
@@ -132,8 +133,9 @@ def sync(device):
 
 
 def timed(fn, args, device, iters=None):
-    """Median over iters (default args.iters) of the slowest rank's ms per call (a barrier before each)."""
-    for _ in range(args.warmup):
+    """Median over iters (default args.iters, after args.warmup calls; given iters: after one) of the slowest
+    rank's ms per call (a barrier before each)."""
+    for _ in range(args.warmup if iters is None else min(args.warmup, 1)):
         fn()
     times = []
     for _ in range(iters or args.iters):

@@ -99,7 +99,7 @@ class NSAAttention(nn.Module):
             return torch.arange(T, device=device)[None].expand(B, T)
         tokens = torch.arange(T, device=device)
         cu = cu_seqlens.long()
-        seq = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=cu.numel() - 2)
+        seq = (torch.searchsorted(cu, tokens, right=True) - 1).clamp(max=cu.numel() - 2)
         return (tokens - cu[seq])[None]
 
     def project(self, x, positions):
@@ -148,7 +148,7 @@ class NSAAttention(nn.Module):
         appending = decoding and cu_seqlens is not None  # packed new tokens per row, appended (nsa_prefill)
         if appending:
             positions = self._positions(B, T, cu_seqlens, x.device)
-            seq = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(T, device=x.device), right=True)
+            seq = torch.searchsorted(cu_seqlens.long(), torch.arange(T, device=x.device), right=True) - 1
             positions = positions + cache.cache_seqlens.long()[seq.clamp(max=cache.batch - 1)][None]
         elif decoding:
             positions = cache.cache_seqlens.long()[:, None] + torch.arange(T, device=x.device)

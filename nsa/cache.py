@@ -261,7 +261,7 @@ class NSACache:
             cu = cu_seqlens.long()
             row0, n_new = cu[:-1], cu[1:] - cu[:-1]
             tok = torch.arange(k.shape[1], device=device)
-            b_of = torch.searchsorted(cu[1:], tok, right=True)
+            b_of = torch.searchsorted(cu, tok, right=True) - 1
             local = tok - cu[b_of]
             flat = [x[0] for x in (k, v, kc, vc, kw, vw)]
         end = start + n_new

@@ -32,4 +32,33 @@ def trace_constant(fn):
     return fn
 
 
-__all__ = ["compiling", "trace_constant"]
+@trace_constant
+def inductor_compat() -> int:
+    """Work around a torch 2.11 Inductor defect that fails the compile of NSA's graph on CUDA; run by planning
+    while Dynamo traces (a trace-time constant), before Inductor generates code. Returns how many were applied.
+
+    - In torch 2.11 one tiling check of Inductor's SIMD scheduler raises `CantSplit` without the two arguments
+      its constructor requires: a TypeError ("CantSplit.__init__() missing 2 required positional arguments")
+      escapes where the CantSplit the caller catches ("this tiling does not fit, try another") was meant,
+      for any pointwise node that meets a three-dimensional tiling it does not divide. The arguments get
+      defaults, so the check answers as intended; a torch whose constructor already works is left alone."""
+    import inspect
+
+    try:
+        from torch._inductor.codegen.simd import CantSplit
+    except ImportError:  # no Inductor in this build
+        return 0
+    required = [p for p in inspect.signature(CantSplit.__init__).parameters.values()
+                if p.default is inspect.Parameter.empty and p.name != "self"]
+    if not required:
+        return 0
+    original = CantSplit.__init__
+
+    def __init__(self, expr=None, remaining=None):
+        original(self, expr, remaining)
+
+    CantSplit.__init__ = __init__
+    return 1
+
+
+__all__ = ["compiling", "inductor_compat", "trace_constant"]

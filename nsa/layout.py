@@ -78,7 +78,8 @@ def packed_layout(cu_seqlens: torch.Tensor, T: int, cfg: NSAConfig) -> SeqLayout
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     tokens = torch.arange(T, device=device)
-    seq_of_token = torch.searchsorted(cu[1:], tokens, right=True)
+    # over the whole cu, minus one (not over cu[1:]): torch 2.11's Inductor cannot lower searchsorted over a slice
+    seq_of_token = torch.searchsorted(cu, tokens, right=True) - 1
     seq_start = cu[seq_of_token.clamp(max=len(lengths) - 1)]
 
     l, d = cfg.block_cmp, cfg.stride_cmp

@@ -113,7 +113,7 @@ def positions(cp_group, local_len: int, device, cu_seqlens=None) -> torch.Tensor
     if cu_seqlens is None:
         return tok
     cu = cu_seqlens.long()
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=cu.numel() - 2)
+    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp(max=cu.numel() - 2)
     return tok - cu[seq]
 
 

@@ -61,7 +61,7 @@ from ..branches.context import CallContext
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding.fa2 import sliding_fa2
 from ..branches.sliding.sdpa import sliding_sdpa
-from ..compiling import compiling
+from ..compiling import compiling, inductor_compat
 from ..hooks import HOOKS
 from ..validation import NSAInputError, Shapes
 from . import providers as _providers
@@ -227,6 +227,8 @@ def make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqlen
     CUDA input: the same decisions, recorded again for this call)."""
     if backend not in BACKENDS:
         raise NSAInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if compiling():
+        inductor_compat()
     if backend in ("auto", "flash_attn", "torch_flash", "sdpa") and cu_seqlens is None:
         tg = _toggles.read()
         # Under torch.compile planning runs once, when the caller is traced: nothing to cache (and fake

@@ -297,3 +297,19 @@ def test_fa2_thresholds_file_read_at_trace_time(monkeypatch):
     fn = torch.compile(lambda x: x * rules.min_len("win", 128, (9, 0), toggles.read())[0], fullgraph=True,
                        backend="eager")
     assert fn(torch.ones(2)).tolist() == [want, want]
+
+
+def test_inductor_compat_applied_while_tracing(gen):
+    """Planning under torch.compile applies nsa.compiling.inductor_compat at trace time: afterwards Inductor's
+    CantSplit can be raised the way torch 2.11's tiling check raises it (no arguments), so that check answers
+    "does not fit" instead of failing the compile with a TypeError; a second call changes nothing."""
+    from torch._inductor.codegen.simd import CantSplit
+
+    from nsa.compiling import inductor_compat
+
+    args = _inputs(gen, 1, 24, 2, 1, 8)
+    compiled = torch.compile(lambda *a: nsa_attention(*a, CFG, backend="torch"), fullgraph=True, backend="eager")
+    compiled(*args)
+    with pytest.raises(CantSplit):
+        raise CantSplit
+    assert inductor_compat() == 0

@@ -64,7 +64,11 @@ def _compiled(fn, backend="inductor"):
 
 
 def _compare(fn, compiled, args, tol=TOL, grad_tol=GRAD_TOL):
-    want, got = fn(*args), compiled(*args)
+    """Eager, then compiled; telemetry afterwards holds the compiled call's plan alone (eager mode plans its own,
+    with the dense core)."""
+    want = fn(*args)
+    telemetry.reset()
+    got = compiled(*args)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert err(got, want) <= tol
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -106,7 +110,7 @@ def test_packed_small(cuda_gen):
     telemetry.reset()
     _compare(fn, compiled, (q, k, v, g, cu))
     reasons = {r["reason"] for r in telemetry.snapshot()["counts"] if r["branch"] == "cmp"}
-    assert "compile_packed" in reasons and telemetry.served("sel") == {"triton": 2}
+    assert "compile_packed" in reasons and set(telemetry.served("sel")) == {"triton"}
     assert graphs.frame_count == 1
 
 
@@ -144,8 +148,9 @@ def test_layer_8k(cuda_gen):
     layer = NSAAttention(2048, 16, 1, 128, 128, NSAConfig()).cuda().bfloat16()
     x = torch.randn(2, 8192, 2048, device="cuda", dtype=torch.bfloat16, generator=cuda_gen, requires_grad=True)
     compiled, graphs = _compiled(layer)
+    want = layer(x)
     telemetry.reset()
-    want, got = layer(x), compiled(x)
+    got = compiled(x)
     assert err(got, want) <= TOL
     go = torch.randn_like(want)
     params = [x, *layer.parameters()]

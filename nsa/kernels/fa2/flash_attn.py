@@ -70,6 +70,6 @@ def varlen_lse_2d(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int) -> torch.
     n_seq, H, max_q = lse.shape
     cu = cu_q.long()
     tok = torch.arange(total_q, device=lse.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seq - 1)
+    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp_(max=n_seq - 1)
     pos = (tok - cu[seq]).clamp_(max=max_q - 1)
     return lse[seq, :, pos].transpose(0, 1)

@@ -10,8 +10,10 @@ The steps are the dense core's (nsa.run.dense_core), each told where its queries
   sees blocks [0, m0 + i]: causal attention of n rows over m0 + n blocks aligned to the bottom-right
   corner, FA-2's convention) and a tail (fewer than d tokens, every block up to m0 + n). Head and tail
   are unmasked calls of the core's FA-2 provider, as the dense core's tail is. torch_cudnn aligns its
-  causal mask to the top-left corner: where it is the compressed provider and the rows are not square
-  (m0 > 0) or are a single row (cuDNN refuses a 1 x 1 call), the core's FA-2 provider runs them. The
+  causal mask to the top-left corner: where it is the compressed provider, square rows (m0 = 0) are one
+  call, rows after m0 >= 2 blocks two calls merged by log-sum-exp (TorchCudnnProvider.offset_rows: the FA-2
+  alternative ran 1.6x slower there and its GQA backward held [m0 + n, d*Hq, D] gradients, about 32 KB per
+  token of the stream at Hq = 64, D = 128), and a single row or m0 = 1 the core's FA-2 provider. The
   three parts are joined into one o_cmp (one copy of [Tq, Hq, Dv]) for the combine;
 - top-n, selection forward (with the gate combine in its epilogue) and backward: the Triton kernels with
   q_offset (the stream position of query row 0; K/V rows are stream positions);
@@ -34,6 +36,7 @@ from ..branches.compressed.fold import expand_kv, unfold_view_lse, unfold_view_o
 from ..branches.fa2_call import pad_last, prep
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding import triton as sliding_triton
+from ..kernels.fa2.torch_cudnn import MIN_KEYS
 from .dense_core import MIN_VIEW_ROWS, _keep_graph, _leaf
 
 
@@ -63,7 +66,10 @@ class OffsetCmp:
         d = cfg.stride_cmp
         m0, hl, n, ta = cmp_parts(offset, Tq, cfg)
         prov_rows, ctx = plan.cmp.impl
-        if prov_rows.name == "torch_cudnn" and (m0 > 0 or n < MIN_VIEW_ROWS):  # not square, or a 1 x 1 call
+        # cuDNN (top-left causal) serves square rows directly and rows after m0 >= 2 blocks as two merged calls
+        # (TorchCudnnProvider.offset_rows); a single row or m0 = 1 go to the FA-2 provider
+        split = prov_rows.name == "torch_cudnn" and m0 >= MIN_KEYS and n >= MIN_KEYS
+        if prov_rows.name == "torch_cudnn" and not split and (m0 > 0 or n < MIN_VIEW_ROWS):
             prov_rows = _fa2(plan)
         kd = ctx.kernel_dtype
         D = max(Dk, Dv)
@@ -83,8 +89,12 @@ class OffsetCmp:
             if n:
                 rows = qk[:, hl:ta]
                 rows = rows.view(B, n, d * Hq, D) if view_foldable(rows) else rows.reshape(B, n, d * Hq, D)
-                o, lse = rows_attention(prov_rows, rows, expand_kv(kc, m0 + n, d, D), expand_kv(vc, m0 + n, d, D),
-                                        scale)
+                kr, vr = expand_kv(kc, m0 + n, d, D), expand_kv(vc, m0 + n, d, D)
+                if split:
+                    telemetry.event("cmp", "torch_cudnn", "offset_rows_split")
+                    o, lse = prov_rows.offset_rows(rows, kr, vr, m0, scale)
+                else:
+                    o, lse = rows_attention(prov_rows, rows, kr, vr, scale)
                 outs.append(unfold_view_o(o, Hq))
                 lses.append(unfold_view_lse(lse.detach(), Hq, d))
             if ta < Tq:  # the tail sees blocks [0, m0 + n]

@@ -30,7 +30,7 @@ def emulated(name: str, dtypes=(torch.float64, torch.float32, torch.float16, tor
 
 def emulated_cudnn(capability=(9, 0), dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)):
     """torch_cudnn on CPU: the emulated cuDNN op, a pretended GPU of `capability`."""
-    prov = TorchCudnnProvider(kernel=emulate.aten_cudnn_attention)
+    prov = TorchCudnnProvider(kernel=emulate.aten_cudnn_attention, kernel_bwd=emulate.aten_cudnn_attention_backward)
     prov.allow_cpu = True
     prov.capability = capability
     prov.kernel_dtypes = dtypes

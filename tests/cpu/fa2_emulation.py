@@ -114,17 +114,40 @@ def aten_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropo
                          *, scale=None):
     """Emulates torch.ops.aten._scaled_dot_product_cudnn_attention: q [B, H, Sq, D], k/v [B, Hkv, Sk, D]
     (GQA), causal aligned to the TOP-LEFT corner (row i sees keys j <= i), LSE [B, H, Sq, 1] natural log."""
-    assert attn_bias is None and dropout_p == 0.0 and compute_log_sumexp and is_causal
+    assert attn_bias is None and dropout_p == 0.0 and compute_log_sumexp
+    Sq, Sk = query.shape[2], key.shape[2]
+    logits, kx, vx = _cudnn_logits(query, key, value, is_causal, scale)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    out = torch.softmax(logits, -1) @ vx
+    return out, lse.detach().float(), None, None, Sq, Sk, None, None, None
+
+
+def _cudnn_logits(query, key, value, is_causal, scale):
     B, H, Sq, D = query.shape
     Hkv, Sk = key.shape[1], key.shape[2]
     scale = D ** -0.5 if scale is None else scale
     kx = key.repeat_interleave(H // Hkv, 1)
     vx = value.repeat_interleave(H // Hkv, 1)
     logits = (query @ kx.transpose(-1, -2)) * scale
-    i = torch.arange(Sq, device=query.device)[:, None]
-    j = torch.arange(Sk, device=query.device)[None, :]
-    logits = logits.masked_fill(j > i, float("-inf"))
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    out = torch.softmax(logits, -1) @ vx
-    return out, lse.detach().float(), None, None, Sq, Sk, None, None, None
+    if is_causal:
+        i = torch.arange(Sq, device=query.device)[:, None]
+        j = torch.arange(Sk, device=query.device)[None, :]
+        logits = logits.masked_fill(j > i, float("-inf"))
+    return logits, kx, vx
+
+
+def aten_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                                  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+    """Emulates torch.ops.aten._scaled_dot_product_cudnn_attention_backward: the gradients from the GIVEN output
+    and log-sum-exp (P = exp(S - lse), dS = P (dO V^T - rowsum(dO * O))), K/V gradients summed over GQA groups."""
+    assert attn_bias is None and dropout_p == 0.0
+    H, Hkv = query.shape[1], key.shape[1]
+    scale_ = query.shape[-1] ** -0.5 if scale is None else scale
+    logits, kx, vx = _cudnn_logits(query, key, value, is_causal, scale)
+    p = torch.exp(logits - logsumexp.to(logits.dtype).reshape(*logits.shape[:3], 1))
+    ds = p * (grad_out @ vx.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+    dq = ds @ kx * scale_
+    dk = (ds.transpose(-1, -2) @ query * scale_).unflatten(1, (Hkv, H // Hkv)).sum(2)
+    dv = (p.transpose(-1, -2) @ grad_out).unflatten(1, (Hkv, H // Hkv)).sum(2)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 

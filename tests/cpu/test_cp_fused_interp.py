@@ -213,11 +213,14 @@ def test_offset_core_triton_window(fused, segs):
         assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))
 
 
-@pytest.mark.parametrize("segs", [[(27, 13)], [(0, 20)], [(0, 14)]])
-def test_offset_core_cudnn_rows(fused, segs):
+@pytest.mark.parametrize("segs, split", [([(27, 13)], 1), ([(0, 20)], 0), ([(0, 14)], 0), ([(11, 12), (23, 17)], 1),
+                                         ([(32, 16)], 1)])
+def test_offset_core_cudnn_rows(fused, segs, split):
     """torch_cudnn serving the compressed branch (emulated, a pretended sm 9.0): its top-left causal mask
-    serves square rows (m0 = 0); rows after the first blocks, or a single row, go to the core's FA-2
-    provider. Against the one-process float64 call."""
+    serves square rows (m0 = 0) in one call and rows after m0 >= 2 blocks as two calls merged by log-sum-exp
+    (`split` segments: offset 27 has m0 = 5; offset 11 has m0 = 1, its rows go to the core's FA-2 provider;
+    offset 32 has m0 = 7, a head of 3 tokens and a tail); a single row goes to FA-2 too. Against the
+    one-process float64 call: outputs and every gradient (the merged backward)."""
     fused.setattr(HOOKS, "cudnn", backend_fakes.emulated_cudnn())
     tensors, gen = _inputs(11)
     weight = torch.randn(1, T, H_Q, D_V, generator=gen, dtype=torch.float64)
@@ -225,6 +228,7 @@ def test_offset_core_cudnn_rows(fused, segs):
     telemetry.reset()
     outs, got = _per_rank(tensors, CFG, segs, weight)
     assert telemetry.served("cmp") == {"torch_cudnn": 1}
+    assert sum(e["calls"] for e in telemetry.snapshot()["events"] if e["event"] == "offset_rows_split") == split
     for (s, n), (o, _) in zip(segs, outs):
         assert rel_err(o, ref[:, s:s + n]) < 2e-5, (s, n)
     for label, a, b in zip("qkvg", got, want):

@@ -71,6 +71,11 @@ def test_per_rank_fused_vs_one_process(gen, sel_env, name, Dk, Dv, window):
     assert events.get("dense_core_offset") == len(segs)
     if window == "triton" and telemetry.served("win") == {"triton_window": 1}:
         assert events.get("window_forward_offset") == len(segs)
+    if telemetry.served("cmp") == {"torch_cudnn": 1}:  # rows after m0 >= 2 blocks: cuDNN's two merged calls
+        from nsa.run.offset_core import cmp_parts
+
+        split = sum(1 for s, n in segs if cmp_parts(s, n, PAPER)[0] >= 2 and cmp_parts(s, n, PAPER)[2] >= 2)
+        assert events.get("offset_rows_split", 0) == split
     # The blocks: the per-rank path's in its segments, the plain call's elsewhere.
     with torch.no_grad():
         _, idx = nsa_attention(q, k, v, g, PAPER, return_indices=True)

@@ -55,12 +55,59 @@ def torch_cudnn_status() -> tuple[bool, str]:
     return True, "ok"
 
 
+class _OffsetRows(torch.autograd.Function):
+    """Rows folded by view that start after m0 >= 2 compressed blocks (context parallelism's later segments):
+    row i sees blocks [0, m0 + i], a bottom-right causal mask cuDNN's top-left one cannot express. Two cuDNN
+    calls instead: the rows against blocks [0, m0) without a mask, and against blocks [m0, m0 + n) square
+    causal (row i sees m0 + i and before), merged by their log-sum-exps. Backward: each part's cuDNN backward
+    with the MERGED output and log-sum-exp (each part's softmax probabilities are then those of the whole
+    row, ring attention's rule), the q gradients summed, the K/V gradients of the two key ranges joined."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, m0, scale, fwd, bwd):
+        qt = q.transpose(1, 2)
+        rets = [fwd(qt, k[:, sl].transpose(1, 2), v[:, sl].transpose(1, 2), None, True, 0.0, causal, False,
+                    scale=scale) for causal, sl in ((False, slice(0, m0)), (True, slice(m0, None)))]
+        (out_a, lse_a, *_), (out_b, lse_b, *_) = rets
+        lse = torch.logaddexp(lse_a.float(), lse_b.float())
+        w = lse.shape if lse.dim() == out_a.dim() else (*lse.shape, 1)
+        out = (out_a * torch.exp(lse_a.float() - lse).view(w) + out_b * torch.exp(lse_b.float() - lse).view(w))
+        out = out.to(out_a.dtype)
+        lse = lse.to(lse_a.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rest = [r[2:8] for r in rets]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
+        ctx.m0, ctx.scale, ctx.bwd = m0, scale, bwd
+        B, H, n = out.shape[:3]
+        lse_rows = lse.reshape(B, H, n).float()
+        ctx.mark_non_differentiable(lse_rows)
+        return out.transpose(1, 2), lse_rows
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        qt = q.transpose(1, 2)
+        dot = torch.empty_like(out)  # the layout of the forward's output, as cuDNN's backward reads dO with it
+        dot.copy_(do.transpose(1, 2))
+        dq, dks, dvs = None, [], []
+        for causal, sl, (cq, ck, mq, mk, seed, off) in zip((False, True), (slice(0, ctx.m0), slice(ctx.m0, None)),
+                                                            ctx.rest):
+            g = ctx.bwd(dot, qt, k[:, sl].transpose(1, 2), v[:, sl].transpose(1, 2), out, lse, seed, off, None, cq,
+                        ck, mq, mk, 0.0, causal, scale=ctx.scale)
+            dq = g[0] if dq is None else dq + g[0]
+            dks.append(g[1])
+            dvs.append(g[2])
+        return (dq.transpose(1, 2), torch.cat(dks, 2).transpose(1, 2), torch.cat(dvs, 2).transpose(1, 2),
+                None, None, None, None)
+
+
 class TorchCudnnProvider(Fa2Provider):
     name = "torch_cudnn"
 
-    def __init__(self, kernel=None):
+    def __init__(self, kernel=None, kernel_bwd=None):
         super().__init__()
         self.kernel = kernel  # None: torch.ops.aten._scaled_dot_product_cudnn_attention; tests pass an emulation
+        self.kernel_bwd = kernel_bwd  # None: torch.ops.aten._scaled_dot_product_cudnn_attention_backward
         self.cudnn_version: int | None = None  # None: torch.backends.cudnn.version(); tests pretend one
 
     def max_head_dim(self) -> int:
@@ -85,6 +132,17 @@ class TorchCudnnProvider(Fa2Provider):
             out = torch.nn.functional.pad(out, (0, 0, 0, 0, off, 0))
             lse = torch.nn.functional.pad(lse, (off, 0), value=float("inf"))
         return out, lse
+
+    def offset_rows(self, q, k, v, m0: int, scale: float):
+        """Rows folded by view q [B, n, H, D] that see blocks [0, m0 + i] of k, v [B, m0 + n, Hkv, D] (row i;
+        m0 >= MIN_KEYS, n >= MIN_KEYS): (out [B, n, H, Dv], lse [B, H, n] fp32), differentiable in q, k, v
+        (_OffsetRows: two cuDNN calls merged)."""
+        if m0 < MIN_KEYS or q.shape[1] < MIN_KEYS or k.shape[1] != m0 + q.shape[1]:
+            raise ValueError(f"offset_rows needs m0 >= {MIN_KEYS}, n >= {MIN_KEYS} rows and m0 + n blocks; got "
+                             f"m0={m0}, n={q.shape[1]}, {k.shape[1]} blocks")
+        fwd = self.kernel or torch.ops.aten._scaled_dot_product_cudnn_attention
+        bwd = self.kernel_bwd or torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+        return _OffsetRows.apply(q, k, v, m0, scale, fwd, bwd)
 
 
 __all__ = ["MAX_HEAD_DIM", "MAX_HEAD_DIM_WIDE", "MIN_CAPABILITY", "MIN_KEYS", "WIDE_HEADS_CUDNN", "TorchCudnnProvider",

@@ -260,3 +260,17 @@ def test_offset_core_branch_kv_and_given_blocks(fused):
     got = torch.autograd.grad((out.double() * weight).sum(), lo)
     for label, a, b in zip(["q", "k", "v", "g", "k_cmp", "v_cmp", "k_win", "v_win"], got, want_grads):
         assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))
+
+
+@pytest.mark.parametrize("m0, n", [(2, 2), (3, 2), (5, 3), (7, 3), (14336, 2048), (100, 7)])
+def test_offset_parts_cover_the_prefix(m0, n):
+    """cuDNN's pieces for rows after m0 blocks: [0, m0) covered in order by unmasked pieces of n to 2n - 1 blocks
+    (at least 2: cuDNN's backward minimum), then the square causal [m0, m0 + n)."""
+    from nsa.kernels.fa2.torch_cudnn import offset_parts
+
+    parts = offset_parts(m0, n)
+    assert parts[-1] == (m0, m0 + n, True)
+    prefix = parts[:-1]
+    assert prefix[0][0] == 0 and prefix[-1][1] == m0 and all(not c for _, _, c in prefix)
+    assert all(a[1] == b[0] for a, b in zip(prefix, prefix[1:]))
+    assert all(max(n, 2) <= e - s <= max(2 * n - 1, 3) for s, e, _ in prefix) or len(prefix) == 1

@@ -55,30 +55,50 @@ def torch_cudnn_status() -> tuple[bool, str]:
     return True, "ok"
 
 
+def offset_parts(m0: int, n: int) -> list[tuple[int, int, bool]]:
+    """The key ranges (start, end, causal) of rows after m0 blocks: [0, m0) in m0 // n unmasked pieces of n to
+    2n - 1 blocks (at least MIN_KEYS), then the square causal [m0, m0 + n). Pieces no longer than the rows keep
+    each backward's GQA gradient buffers (cuDNN holds dK/dV per query head in fp32: 32 KB per block per folded
+    head group at D = 128) in proportion to the rows, not to the stream before them."""
+    size = max(n, MIN_KEYS)
+    count = max(1, m0 // size)
+    bounds = [m0 * i // count for i in range(count + 1)]
+    return [(a, b, False) for a, b in zip(bounds, bounds[1:])] + [(m0, m0 + n, True)]
+
+
 class _OffsetRows(torch.autograd.Function):
     """Rows folded by view that start after m0 >= 2 compressed blocks (context parallelism's later segments):
-    row i sees blocks [0, m0 + i], a bottom-right causal mask cuDNN's top-left one cannot express. Two cuDNN
-    calls instead: the rows against blocks [0, m0) without a mask, and against blocks [m0, m0 + n) square
-    causal (row i sees m0 + i and before), merged by their log-sum-exps. Backward: each part's cuDNN backward
-    with the MERGED output and log-sum-exp (each part's softmax probabilities are then those of the whole
-    row, ring attention's rule), the q gradients summed, the K/V gradients of the two key ranges joined."""
+    row i sees blocks [0, m0 + i], a bottom-right causal mask cuDNN's top-left one cannot express. Instead,
+    cuDNN calls over the pieces of offset_parts (the rows against pieces of [0, m0) unmasked, then against
+    [m0, m0 + n) square causal), merged by their log-sum-exps. Backward: each piece's cuDNN backward with the
+    MERGED output and log-sum-exp (each piece's softmax probabilities are then those of the whole row, ring
+    attention's rule), the q gradients summed, the K/V gradients of the pieces joined."""
 
     @staticmethod
     def forward(ctx, q, k, v, m0, scale, fwd, bwd):
         qt = q.transpose(1, 2)
-        rets = [fwd(qt, k[:, sl].transpose(1, 2), v[:, sl].transpose(1, 2), None, True, 0.0, causal, False,
-                    scale=scale) for causal, sl in ((False, slice(0, m0)), (True, slice(m0, None)))]
-        (out_a, lse_a, *_), (out_b, lse_b, *_) = rets
-        lse = torch.logaddexp(lse_a.float(), lse_b.float())
-        w = lse.shape if lse.dim() == out_a.dim() else (*lse.shape, 1)
-        out = (out_a * torch.exp(lse_a.float() - lse).view(w) + out_b * torch.exp(lse_b.float() - lse).view(w))
-        out = out.to(out_a.dtype)
-        lse = lse.to(lse_a.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rest = [r[2:8] for r in rets]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
-        ctx.m0, ctx.scale, ctx.bwd = m0, scale, bwd
+        parts = offset_parts(m0, q.shape[1])
+        acc = lse = None
+        ctx.rest = []
+        for a, b, causal in parts:
+            o, l_p, *rest = fwd(qt, k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2), None, True, 0.0, causal,
+                                False, scale=scale)
+            ctx.rest.append(rest[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
+            lse_dtype, out_dtype, lse_shape = l_p.dtype, o.dtype, l_p.shape
+            l_p = l_p.float()
+            w = l_p.shape if l_p.dim() == o.dim() else (*l_p.shape, 1)
+            if acc is None:
+                acc, lse = o.float(), l_p
+                continue
+            new = torch.logaddexp(lse, l_p)
+            acc = acc * torch.exp(lse - new).view(w) + o.float() * torch.exp(l_p - new).view(w)
+            lse = new
+        out = acc.to(out_dtype)
+        lse_c = lse.to(lse_dtype).reshape(lse_shape)
+        ctx.save_for_backward(q, k, v, out, lse_c)
+        ctx.parts, ctx.scale, ctx.bwd = parts, scale, bwd
         B, H, n = out.shape[:3]
-        lse_rows = lse.reshape(B, H, n).float()
+        lse_rows = lse.reshape(B, H, n)
         ctx.mark_non_differentiable(lse_rows)
         return out.transpose(1, 2), lse_rows
 
@@ -90,10 +110,9 @@ class _OffsetRows(torch.autograd.Function):
         dot = torch.empty_like(out)  # the layout of the forward's output, as cuDNN's backward reads dO with it
         dot.copy_(do.transpose(1, 2))
         dq, dks, dvs = None, [], []
-        for causal, sl, (cq, ck, mq, mk, seed, off) in zip((False, True), (slice(0, ctx.m0), slice(ctx.m0, None)),
-                                                            ctx.rest):
-            g = ctx.bwd(dot, qt, k[:, sl].transpose(1, 2), v[:, sl].transpose(1, 2), out, lse, seed, off, None, cq,
-                        ck, mq, mk, 0.0, causal, scale=ctx.scale)
+        for (a, b, causal), (cq, ck, mq, mk, seed, off) in zip(ctx.parts, ctx.rest):
+            g = ctx.bwd(dot, qt, k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2), out, lse, seed, off, None,
+                        cq, ck, mq, mk, 0.0, causal, scale=ctx.scale)
             dq = g[0] if dq is None else dq + g[0]
             dks.append(g[1])
             dvs.append(g[2])
@@ -136,7 +155,7 @@ class TorchCudnnProvider(Fa2Provider):
     def offset_rows(self, q, k, v, m0: int, scale: float):
         """Rows folded by view q [B, n, H, D] that see blocks [0, m0 + i] of k, v [B, m0 + n, Hkv, D] (row i;
         m0 >= MIN_KEYS, n >= MIN_KEYS): (out [B, n, H, Dv], lse [B, H, n] fp32), differentiable in q, k, v
-        (_OffsetRows: two cuDNN calls merged)."""
+        (_OffsetRows: cuDNN calls over offset_parts, merged)."""
         if m0 < MIN_KEYS or q.shape[1] < MIN_KEYS or k.shape[1] != m0 + q.shape[1]:
             raise ValueError(f"offset_rows needs m0 >= {MIN_KEYS}, n >= {MIN_KEYS} rows and m0 + n blocks; got "
                              f"m0={m0}, n={q.shape[1]}, {k.shape[1]} blocks")

@@ -165,11 +165,17 @@ def gate_combine(gates, o_cmp, o_sel, o_win) -> Tensor:
 # --- sliding window (the Triton window kernels: Hopper TMA copies) ---------------------------------------------
 
 
+def aligned(*tensors: Tensor) -> list[Tensor]:
+    """The tensors with a 16-byte aligned base, as TMA descriptors need (a copy of any that is not): a compiled
+    graph decided on TMA before its buffers existed (nsa.kernels.triton.tma.supported)."""
+    return [t.clone() if t.data_ptr() % 16 else t for t in tensors]
+
+
 @torch.library.custom_op("nsa::window_fwd", mutates_args=())
 def window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tuple[Tensor, Tensor]:
     from .triton.window import window_forward
 
-    return window_forward(q, k, v, window, scale)
+    return window_forward(*aligned(q, k, v), window, scale)
 
 
 @window_fwd.register_fake
@@ -183,7 +189,7 @@ def window_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
                scale: float) -> tuple[Tensor, Tensor, Tensor]:
     from .triton.window import window_backward
 
-    return window_backward(do, q, k, v, o, lse, window, scale)
+    return window_backward(*aligned(do, q, k, v, o), lse, window, scale)
 
 
 @window_bwd.register_fake

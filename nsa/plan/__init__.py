@@ -59,6 +59,7 @@ from ..branches.compressed.fa2 import compressed_fa2
 from ..branches.compressed.sdpa import compressed_sdpa
 from ..branches.context import CallContext
 from ..branches.selected import triton as selected_triton
+from ..branches.sliding import triton as sliding_triton
 from ..branches.sliding.fa2 import sliding_fa2
 from ..branches.sliding.sdpa import sliding_sdpa
 from ..compiling import compiling, inductor_compat
@@ -322,6 +323,12 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
         fail = rules.dense_core_guard(steps, sel_ctx, tg, q, cfg, given_indices)
         if fail:
             steps["core"] = Step("separate", fail.reason, None, fail.message)
+            # Under torch.compile the steps run separately (rules.COMPILE_NO_DENSE_CORE); the sliding branch
+            # still takes NSA's Triton window kernels where the dense core would: their operator carries its
+            # backward, so the compiled graph runs the kernels eager mode runs.
+            if (fail.reason == "compile" and backend == "auto" and cu_seqlens is None
+                    and rules.window_triton_guard(tg, q, *(kv_win or (k, v))) is None):
+                steps["win"] = Step("triton_window", "ok", sliding_triton.window_step)
         else:
             # The compressed branch's tail tokens run on the sliding branch's FA-2 provider (nsa.run.dense_core).
             steps["core"] = Step("dense_core", "ok", impl=steps["win"].impl)

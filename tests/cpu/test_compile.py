@@ -313,3 +313,29 @@ def test_inductor_compat_applied_while_tracing(gen):
     with pytest.raises(CantSplit):
         raise CantSplit
     assert inductor_compat() == 0
+
+
+def test_compiled_window_on_triton_kernels(fused, gen):
+    """Where the dense core would run the sliding branch on NSA's Triton window kernels (TMA copies, pretended
+    here; head dim 64), the compiled graph does too, as the separate step "triton_window" (the nsa::window_fwd
+    operator and its registered backward), with eager mode's outputs and gradients."""
+    fused.setattr(HOOKS, "tma_force", True)
+    seen = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    def fn(q, k, v, g):
+        return nsa_attention(q, k, v, g, CFG)
+
+    args = _inputs(gen, 1, 24, 2, 1, 64)
+    want = fn(*args)
+    assert telemetry.served("win") == {"triton_window": 1}  # eager: inside the dense core
+    telemetry.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    _same(fn, compiled, args, tol=2e-5)
+    assert "nsa.window_fwd.default" in seen
+    assert telemetry.served("win")["triton_window"] == 2 and telemetry.served("core")["separate"] == 1

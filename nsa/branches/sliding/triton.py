@@ -5,7 +5,8 @@ than FA-2's on a band of w keys), forward and backward from the saved o and LSE.
     o, lse = forward(q, k, v, cfg, scale)                  o [B, T, Hq, D], lse [B, Hq, T] fp32
     dq, dk, dv = backward(do, q, k, v, o, lse, cfg, scale)
 
-Dense input only (no packed sequences); the dense core runs it (nsa.run.dense_core). The kernel module
+Dense input only (no packed sequences); the dense core runs it (nsa.run.dense_core), and under torch.compile
+the separate executor (window_step). The kernel module
 (and so triton) is imported on first call. Under torch.compile forward and backward run as the custom
 operators nsa::window_fwd / nsa::window_bwd (nsa.kernels.ops).
 """
@@ -38,4 +39,10 @@ def backward(do, q, k, v, o, lse, cfg, scale):
     return window_backward(do, q, k, v, o, lse, cfg.window, scale)
 
 
-__all__ = ["backward", "forward", "supported"]
+def window_step(q, k, v, layout, cfg, scale):
+    """The sliding branch as a step of the separate executor (the plan's win step "triton_window" outside the
+    dense core, under torch.compile): the forward operator, whose registered backward is the Triton one."""
+    return ops.window_fwd(q, k, v, cfg.window, float(scale))[0]
+
+
+__all__ = ["backward", "forward", "supported", "window_step"]

@@ -19,6 +19,7 @@ from collections import Counter
 import torch
 from packaging.version import Version
 
+from ...compiling import compiling
 from ...hooks import HOOKS
 from ..device import device_capability, on_gpu
 
@@ -47,7 +48,11 @@ def supported(*tensors: torch.Tensor) -> bool:
             return False
         if not force and (not on_gpu(t.device) or t.dtype not in DTYPES or device_capability(t.device)[0] < 9):
             return False
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+        # While Dynamo traces (torch.compile) a tensor has no data pointer yet: the operators that take this
+        # answer at trace time realign a misaligned base when they run (nsa.kernels.ops.aligned)
+        if not compiling() and t.data_ptr() % 16:
             return False
     return True
 

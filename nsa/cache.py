@@ -19,6 +19,12 @@ A decode step writes one slot of each buffer: no torch.cat over the history. Its
 that are dead (ring slots of positions that no future query sees) or past the sequence's length, and the
 new length is published last (`cache_seqlens += 1`): a step that raises before that leaves the cache
 exactly as it was, as far as any later call can tell.
+
+Rollback. `truncate(lengths)` shortens rows to given lengths (speculative decoding drops the rejected draft
+tokens after a verify step): the state becomes that of rows that only ever held their first `lengths`
+tokens. Only lengths move for the raw K/V and the compressed blocks (those that needed a dropped token
+lie past the new length, are masked by position, and are emitted again as tokens arrive); the two rings
+refill, from the raw K/V, the slots that dropped tokens overwrote.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class NSACache:
         self._base_min = 0
         self._steps = 0
         self.workspaces: dict = {}  # preallocated buffers of fast decode steps, keyed by their owner
+        self.rings_hold_raw = {"cmp": True, "win": True}  # see branch_tokens: truncate refills rings from raw K/V
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -194,6 +201,11 @@ class NSACache:
             pairs[name] = (kv[0], kv[1])
         if v.shape[1] != k.shape[1]:
             raise NSAInputError(f"v must hold as many tokens as k ({k.shape[1]}), got {v.shape[1]}")
+        # Whether each ring still holds nothing but the raw (selected) K/V: then truncate can refill the ring
+        # slots that dropped tokens overwrote from the raw K/V. A branch's own K/V is kept nowhere else.
+        for ring, name in (("cmp", "kv_cmp"), ("win", "kv_win")):
+            if pairs[name][0] is not k or pairs[name][1] is not v:
+                self.rings_hold_raw[ring] = False
         return (k, v) + tuple(pairs["kv_cmp"]) + tuple(pairs["kv_win"])
 
     def check_cu_seqlens(self, cu_seqlens, total: int) -> list[int]:
@@ -331,11 +343,111 @@ class NSACache:
             self.cache_seqlens.add_(1)
         self._steps += 1
 
+    # -- rollback ------------------------------------------------------------------------------------------
+    def check_lengths(self, lengths) -> list[int]:
+        """New lengths for truncate, as a host list: a list of `batch` ints or an int tensor [batch] on the
+        cache's device (read back to the host here), each in [0, the row's current length]."""
+        B, now = self.batch, self.host_seqlens()
+        if isinstance(lengths, torch.Tensor):
+            if lengths.dtype not in (torch.int32, torch.int64) or lengths.shape != (B,):
+                raise NSAInputError(f"lengths must be an int32/int64 tensor of shape [batch={B}], got "
+                                    f"{lengths.dtype} {tuple(lengths.shape)}")
+            if lengths.device != self.device:
+                raise NSAInputError(f"lengths is on {lengths.device}, the cache on {self.device}")
+            host = lengths.tolist()  # the one synchronisation of a truncate (the host keeps the lengths)
+        elif isinstance(lengths, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                         for x in lengths) and len(lengths) == B:
+            host = list(lengths)
+        else:
+            raise NSAInputError(f"lengths must be a list of batch={B} ints or an int tensor [batch] on the "
+                                f"cache's device, got {lengths!r}")
+        bad = [b for b, (x, n) in enumerate(zip(host, now)) if not 0 <= x <= n]
+        if bad:
+            b = bad[0]
+            raise NSAInputError(f"lengths[{b}] = {host[b]} must lie in [0, {now[b]}] (row {b}'s current length): "
+                                "truncate only drops tokens")
+        return host
+
+    def truncate(self, lengths) -> None:
+        """Shorten each row to `lengths[b]` tokens (0 <= lengths[b] <= its length), as if it never held more.
+
+        For speculative decoding: after appending k draft tokens (nsa_prefill into the cache) keep each
+        row's accepted prefix. lengths: a list of `batch` ints, or an int32/int64 tensor [batch] on the
+        cache's device; equal lengths leave a row as it is.
+
+        What changes: the lengths (device `cache_seqlens` and the host copy); compressed blocks that needed a
+        dropped token lie past the new length (masked by position, written again when their last token
+        arrives); ring slots whose token was overwritten by a dropped one are refilled from the raw K/V (a
+        gather of at most window + block_cmp tokens per row, on the device). A PagedNSACache also gives back
+        pages wholly past the new length where it owns the pages (see PagedNSACache.truncate).
+
+        Cost: a tensor `lengths` is read back to the host once (one synchronisation, as cu_seqlens in a
+        prefill: the cache keeps its lengths on the host to size work and take pages); a list costs none
+        (one host-to-device copy). Not inside a captured CUDA graph. Rows whose window or compression has
+        its own K/V (kv_win / kv_cmp given) cannot be refilled: truncating them past what the ring still
+        holds raises NSAInputError (and changes nothing).
+        """
+        new = self.check_lengths(lengths)
+        old = self.host_seqlens()
+        if new == old:
+            return
+        self._check_rings_refillable(old, new)
+        new_dev = (lengths if isinstance(lengths, torch.Tensor)
+                   else torch.tensor(new, dtype=torch.int32).to(self.device, non_blocking=True)).long()
+        old_dev = self.cache_seqlens.long()
+        with torch.no_grad():
+            for ring in ("win", "cmp"):
+                if self.rings_hold_raw[ring]:
+                    self._refill_ring(ring, old_dev, new_dev)
+            self.cache_seqlens.copy_(new_dev.to(torch.int32))
+        self._release(new)
+        self._set_base(new)
+
+    def _rings(self, ring: str) -> tuple:
+        return (self.k_win, self.v_win) if ring == "win" else (self.k_raw_cmp, self.v_raw_cmp)
+
+    def _check_rings_refillable(self, old: list[int], new: list[int]) -> None:
+        """Refuse a truncate that needs ring tokens a branch's own K/V held and that are overwritten."""
+        cfg = self.config
+        for ring, name in (("win", "kv_win"), ("cmp", "kv_cmp")):
+            if self.rings_hold_raw[ring]:
+                continue
+            R = self._rings(ring)[0].shape[1]
+            for b, (n, L) in enumerate(zip(old, new)):
+                # oldest position a later token reads from the ring: the window's, or the next block's first
+                need = max(0, L - R + 1) if ring == "win" else cfg.n_cmp_blocks(L) * cfg.stride_cmp
+                if L < n and need < min(L, n - R):  # position p's slot was overwritten when p < n - R
+                    raise NSAInputError(f"lengths[{b}] = {L}: row {b} needs the {name} K/V of positions "
+                                        f"{need}..{min(L, n - R) - 1} again, which dropped tokens overwrote in "
+                                        f"its ring of {R}; the cache keeps a branch's own K/V nowhere else, so "
+                                        f"with {name} given a row can only drop tokens its ring still covers")
+
+    def _refill_ring(self, ring: str, old, new) -> None:
+        """Ring slot s holds the latest position p < length with p = s (mod R): refill the slots whose
+        position changed with the new lengths (the raw K/V still holds every position below them)."""
+        rk, rv = self._rings(ring)
+        R = rk.shape[1]
+        s = torch.arange(R, device=rk.device)[None]
+        p_new = new[:, None] - 1 - torch.remainder(new[:, None] - 1 - s, R)
+        p_old = old[:, None] - 1 - torch.remainder(old[:, None] - 1 - s, R)
+        lost = ((p_new >= 0) & (p_new != p_old))[..., None, None]
+        b = torch.arange(self.batch, device=rk.device)[:, None].expand_as(p_new)
+        k, v = self._load_tokens(b, p_new.clamp(min=0))
+        rk.copy_(torch.where(lost, k, rk))
+        rv.copy_(torch.where(lost, v, rv))
+
+    def _release(self, lengths: list[int]) -> None:
+        """Storage beyond the new lengths (a paged cache gives pages back): nothing to do here."""
+
     # -- storage: where tokens and compressed blocks live (a paged cache replaces these) ----------------------
     def _store_tokens(self, b, pos, k, v) -> None:
         """Raw K/V of the tokens at positions pos of sequences b (long tensors of one shape, rows of k/v)."""
         self.k_sel[b, pos] = k
         self.v_sel[b, pos] = v
+
+    def _load_tokens(self, b, pos) -> tuple:
+        """Raw K/V of the tokens at positions pos of sequences b ([*pos.shape, Hkv, D] each)."""
+        return self.k_sel[b, pos], self.v_sel[b, pos]
 
     def _store_cmp(self, b, i, done, kc, vc) -> None:
         """Compressed block i of sequence b := kc/vc where `done` (b, i, done broadcast to kc's leading dims)."""

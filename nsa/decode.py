@@ -117,7 +117,7 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     running ones, the k draft tokens of speculative decoding's verify step): each new token attends the
     cached tokens and the new ones up to itself, equal to one prefill of the whole sequences; this runs
     on the torch path (nsa.branches.decode.extend, telemetry reason "decode"), rows with no new tokens
-    stay as they are.
+    stay as they are. `cache.truncate(lengths)` then drops the rejected drafts (docs/serving.md).
     """
     from .functional import nsa_attention
 

@@ -16,7 +16,8 @@ The layout and argument names of flash-attn's `flash_attn_with_kvcache` and vLLM
 Rows and pages. The cache has `batch` rows; each holds one sequence (or none: length 0). Pages come from a
 host-side free list: a write or decode step that needs a new page for a row takes the next free one (so
 a sequence's pages are anywhere in the pool, in any order), `free(rows)` gives a row's pages back (the next
-sequence reuses them) and empties the row. An engine that manages pages itself gives its tables with
+sequence reuses them) and empties the row; `truncate(lengths)` shortens rows and gives back the pages
+wholly past their new lengths. An engine that manages pages itself gives its tables with
 `load_tables(block_table, cache_seqlens)` (host tensors: validated on the host, copied to the device).
 
 Page size: a power of two and a multiple of stride_cmp (so a compressed block starts in exactly one page).
@@ -83,6 +84,7 @@ class PagedNSACache(NSACache):
         self._base_max = self._base_min = self._steps = 0
         self._external = False  # pages managed by the engine (load_tables), not by the free list
         self.workspaces: dict = {}
+        self.rings_hold_raw = {"cmp": True, "win": True}
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -187,6 +189,25 @@ class PagedNSACache(NSACache):
     def reset(self) -> None:
         self.free(list(range(self.batch)))
 
+    def truncate(self, lengths) -> None:
+        """NSACache.truncate (rows shortened to `lengths`, as if they never held more), and the pages.
+
+        Where the cache owns the pages (its free list: writes, `reserve`, `free`), the pages of a row wholly
+        past its new length go back to the pool (the last one given back is the next taken) and
+        `pages_of(row)` loses them; pages taken by `reserve` past the new length go back too (reserve again
+        before capturing a CUDA graph). Where the engine owns the block table (`load_tables`), the table and
+        the pages stay as they are: the engine frees or reuses them, and the next writes go to the same pages.
+        """
+        super().truncate(lengths)
+
+    def _release(self, lengths: list[int]) -> None:
+        if self._external:
+            return
+        for b, n in enumerate(lengths):
+            keep = -(-n // self.page_size)
+            self._free.extend(reversed(self._pages[b][keep:]))
+            del self._pages[b][keep:]
+
     def load_tables(self, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
         """Adopt an engine's tables (it manages the pages): block_table int32 [batch, n <= max_pages_per_seq],
         cache_seqlens int32 [batch], both on the host (validated there, then copied to the device).
@@ -250,6 +271,10 @@ class PagedNSACache(NSACache):
         s = self.slots(b, pos)
         self.k_pages.view(-1, *self.k_pages.shape[2:])[s] = k
         self.v_pages.view(-1, *self.v_pages.shape[2:])[s] = v
+
+    def _load_tokens(self, b, pos) -> tuple:
+        s = self.slots(b, pos)
+        return self.k_pages.flatten(0, 1)[s], self.v_pages.flatten(0, 1)[s]
 
     def _store_cmp(self, b, i, done, kc, vc) -> None:
         # blocks that do not complete write to the spare slot: no two live blocks share a slot

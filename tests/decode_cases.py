@@ -164,3 +164,95 @@ def rel_err(got, want) -> float:
         return 0.0
     d = (got - want).abs().max()
     return float("inf") if torch.isnan(d) else float(d / want.abs().max().clamp_min(1e-30))
+
+
+# --- speculative decoding: k drafts appended, the rejected ones truncated ------------------------------------
+
+@dataclass
+class SpecCase:
+    """Per row: a prompt, k draft tokens of which `accepted` are kept, then `after` tokens appended in one
+    write and `steps` decode steps. `true` packs each row's kept sequence (prompt, accepted drafts, after,
+    steps); `rejected` [B, k, ...] holds the drafts that get dropped (row b's last k - accepted[b])."""
+
+    cfg: NSAConfig
+    prompts: list[int]
+    k: int
+    accepted: list[int]
+    after: int
+    steps: int
+    true: dict
+    rejected: dict
+    cu: list[int]
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    def row(self, b: int, name: str, a: int, e: int) -> torch.Tensor:
+        return self.true[name][0, self.cu[b] + a:self.cu[b] + e]
+
+
+def make_spec_case(gen, cfg, prompts, k, accepted, after, steps, Hq=4, Hkv=2, Dk=8, Dv=6,
+                   dtype=torch.float64, device="cpu") -> SpecCase:
+    lengths = [P + a + after + steps for P, a in zip(prompts, accepted)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    dims = {"q": (Hq, Dk), "k": (Hkv, Dk), "v": (Hkv, Dv)}
+
+    def rnd(lead):
+        out = {n: torch.randn(*lead, *d, generator=gen, dtype=torch.float64) for n, d in dims.items()}
+        out["g"] = torch.rand(*lead, Hq, 3, generator=gen, dtype=torch.float64)
+        return {n: x.to(device=device, dtype=dtype) for n, x in out.items()}
+
+    return SpecCase(cfg, list(prompts), k, list(accepted), after, steps, rnd((1, cu[-1])), rnd((len(prompts), k)),
+                    cu)
+
+
+def run_spec(case: SpecCase, cache: NSACache, *, backend: str = "torch", tensor_lengths: bool = False,
+             compress_fn=None, on_drafts=None):
+    """Prompts (packed prefill), the k drafts of every row (one write), truncate to the accepted ones,
+    `after` tokens (one write), `steps` decode steps (`backend`; compress_fn: phi for compress="mlp";
+    on_drafts(cache) runs before the truncate). Returns [(got, want)] for every output
+    of a kept token, the wanted one from one prefill of the kept sequences (nsa_attention, torch)."""
+    B, names, f = case.batch, ("q", "k", "v", "g"), case.true
+    device = f["q"].device
+    rows = torch.cat([torch.arange(case.cu[b], case.cu[b] + P) for b, P in enumerate(case.prompts)]).to(device)
+    cu_p = [0]
+    for P in case.prompts:
+        cu_p.append(cu_p[-1] + P)
+    nsa_prefill(*(f[n][:, rows] for n in names), cache, compress_fn=compress_fn,
+                cu_seqlens=torch.tensor(cu_p, dtype=torch.int32, device=device))
+    drafts = {}
+    for n in names:
+        x = case.rejected[n].clone()
+        for b, (P, a) in enumerate(zip(case.prompts, case.accepted)):  # the accepted drafts first
+            x[b, :a] = case.row(b, n, P, P + a)
+        drafts[n] = x
+    out = nsa_prefill(*(drafts[n] for n in names), cache, compress_fn=compress_fn)
+    got = [out[b, :a] for b, a in enumerate(case.accepted)]
+    if on_drafts is not None:
+        on_drafts(cache)
+    new = [P + a for P, a in zip(case.prompts, case.accepted)]
+    cache.truncate(torch.tensor(new, dtype=torch.int32, device=device) if tensor_lengths else new)
+    assert cache.cache_seqlens.tolist() == cache.host_seqlens() == new
+    cur = list(new)
+
+    def dense(n, T):
+        return torch.stack([case.row(b, n, cur[b], cur[b] + T) for b in range(B)])
+
+    if case.after:
+        out = nsa_prefill(*(dense(n, case.after) for n in names), cache, compress_fn=compress_fn)
+        got += [out[b] for b in range(B)]
+        cur = [c + case.after for c in cur]
+    for _ in range(case.steps):
+        got.append(nsa_decode(*(dense(n, 1) for n in names), cache, backend=backend, compress_fn=compress_fn)[:, 0])
+        cur = [c + 1 for c in cur]
+    whole = nsa_attention(f["q"], f["k"], f["v"], f["g"], case.cfg, backend="torch", compress_fn=compress_fn,
+                          cu_seqlens=torch.tensor(case.cu, dtype=torch.int32, device=device))[0]
+    want = [whole[case.cu[b] + case.prompts[b]:case.cu[b] + new[b]] for b in range(B)]
+    if case.after:
+        want += [whole[case.cu[b] + new[b]:case.cu[b] + new[b] + case.after] for b in range(B)]
+    for s in range(case.steps):
+        want.append(torch.stack([whole[case.cu[b] + new[b] + case.after + s] for b in range(B)]))
+    return list(zip(got, want))

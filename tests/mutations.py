@@ -100,6 +100,15 @@ MUTATIONS = [
              "nsa/kernels/triton/topn.py",
              "pos_tok = t_tok + q_off - start_tok", "pos_tok = t_tok - start_tok",
              ("tests/cpu/test_cp_fused_interp.py::test_offset_core_matches_one_process[mid_row_mid_window]",)),
+    Mutation("truncate: the compression ring not refilled (blocks made again from dropped draft tokens)",
+             "nsa/cache.py",
+             'for ring in ("win", "cmp"):', 'for ring in ("win",):',
+             ("tests/cpu/test_truncate.py::test_mlp_compression_at_other_boundaries",
+              "tests/cpu/test_decode_triton_interp.py::test_kernels_after_a_truncate")),
+    Mutation("paged truncate: pages past the new length kept instead of given back",
+             "nsa/paged_cache.py",
+             "keep = -(-n // self.page_size)", "keep = len(self._pages[b])",
+             ("tests/cpu/test_truncate.py::test_paged_pages_past_the_new_length_return_to_the_pool",)),
 ]
 
 

@@ -8,6 +8,7 @@
   chunks, selected blocks), Dk != Dv, head dims and group sizes that are not powers of two;
 - mathematically equal scores: bitwise-equal scores and the prefill's (lower-index) choice;
 - compress="mlp" and separate K/V per branch; the tiny model generating through the kernels;
+- decode steps after drafts were appended and truncated (speculative decoding), both caches;
 - the launcher: five launches, no host synchronisation, no allocation with out=; a step that dies after
   the append kernel leaves the cache consistent; routing and telemetry.
 Skipped with the reason when triton does not import.
@@ -32,14 +33,18 @@ from decode_cases import (  # noqa: E402
     decode_rows,
     expected,
     make_case,
+    make_spec_case,
     prefill_cache,
     prefill_paged_cache,
     rel_err,
+    run_spec,
 )
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from nsa import (  # noqa: E402
+    NSACache,
     NSAConfig,
+    PagedNSACache,
     nsa_decode,
     nsa_prefill,
     nsa_reference,
@@ -318,3 +323,20 @@ def test_kernels_paged_fp16_mlp_and_branch_kv(gen):
     got, idx = decode_all(case, prefill_paged_cache(case, 8, seed=5), "triton")
     assert torch.equal(idx, c_idx)
     assert rel_err(got, c_out) <= 2e-3
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kernels_after_a_truncate(gen, paged):
+    """Drafts appended and truncated (none, some, all kept; window 12 and the compression ring wrapped by
+    the drafts), then kernel decode steps: equal to one prefill of the kept sequences."""
+    cfg = CFG.with_(window=12)
+    case = make_spec_case(gen, cfg, [9, 14, 21], 5, [0, 1, 5], after=0, steps=4, Dk=16, Dv=24,
+                          dtype=torch.float32)
+    if paged:
+        cache = PagedNSACache(cfg, 3, 30, 4, 8, 2, 16, 24, dtype=torch.float32)
+    else:
+        cache = NSACache(cfg, 3, 32, 2, 16, 24, dtype=torch.float32)
+    pairs = run_spec(case, cache, backend="triton")
+    for got, want in pairs:
+        assert rel_err(got, want) <= 1e-5
+    assert telemetry.served("sel")["triton_decode"] == 4

@@ -6,6 +6,8 @@
   split plan: the same arithmetic on the same values);
 - the step captured in a CUDA graph and replayed equals the eager steps (kernels: bit for bit; torch step:
   1e-6), pages reserved before capture (cache.reserve), crossing page boundaries during the replays;
+- drafts appended and truncated (speculative decoding, cache.truncate with a device tensor), then decode
+  steps on the kernels, both caches: equal to one prefill of the kept sequences (fp32, 1e-5);
 - pages past 2^31 elements of the pool (int64 addresses): a sequence whose pages sit at the end of a
   pool of 2^31+ elements decodes as on a small pool.
 """
@@ -14,9 +16,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_cases import decode_all, decode_rows, expected, make_case, prefill_cache, prefill_paged_cache, rel_err
+from decode_cases import (
+    decode_all,
+    decode_rows,
+    expected,
+    make_case,
+    make_spec_case,
+    prefill_cache,
+    prefill_paged_cache,
+    rel_err,
+    run_spec,
+)
 
-from nsa import NSAConfig, PagedNSACache, nsa_decode, telemetry
+from nsa import NSACache, NSAConfig, PagedNSACache, nsa_decode, telemetry
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())")]
@@ -103,3 +115,20 @@ def test_pages_past_2_31_elements(gen):
     assert max(max(cache.pages_of(b)) for b in range(2)) * per_page >= 1 << 31
     got, idx = decode_all(case, cache, "triton")
     assert torch.equal(idx, c_idx) and rel_err(got, c_out) <= 1e-2
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_after_truncate_equals_prefill(gen, paged):
+    # 5 + 0 of 12 kept, 70 + 6 (the next compressed block and the window need ring slots the drafts took),
+    # 130 + 12 (all kept); 12 kernel steps after the truncate cross compressed-block completions
+    steps = 12
+    case = make_spec_case(gen, SMALL, [5, 70, 130], 12, [0, 6, 12], after=0, steps=steps, Hq=8, Hkv=2, Dk=32,
+                          Dv=32, dtype=torch.float32, device="cuda")
+    if paged:
+        cache = PagedNSACache(SMALL, 3, 80, 8, 20, 2, 32, 32, device="cuda", dtype=torch.float32)
+    else:
+        cache = NSACache(SMALL, 3, 160, 2, 32, 32, device="cuda", dtype=torch.float32)
+    telemetry.reset()
+    for got, want in run_spec(case, cache, backend="auto", tensor_lengths=True):
+        assert rel_err(got, want) <= 1e-5
+    assert telemetry.served("sel").get("triton_decode") == steps, telemetry.snapshot()

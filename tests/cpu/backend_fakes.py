@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa import telemetry
+from nsa import plan, telemetry
 from nsa.hooks import HOOKS
 from nsa.kernels.fa2.flash_attn import FlashAttnProvider
 from nsa.kernels.fa2.torch_cudnn import TorchCudnnProvider
@@ -60,3 +60,17 @@ def fakes(clean_env):
 
 def counts() -> dict:
     return {(r["branch"], r["backend"], r["reason"]): r["calls"] for r in telemetry.snapshot()["counts"]}
+
+
+def allow_fused(monkeypatch):
+    """Emulated FA-2 providers for cmp/win, the Triton kernels allowed on CPU (Triton's interpreter, which the
+    caller has made importable: tests/cpu/interp.py): "auto" plans the fused executor and its dense core."""
+    providers = {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
+                 "sdpa": plan.PROVIDERS["sdpa"]}
+    monkeypatch.setattr(HOOKS, "providers", providers)
+    monkeypatch.setenv("NSA_FA2_MIN_LEN_WIN", "1")
+    monkeypatch.setenv("NSA_FA2_MIN_LEN_CMP", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for prov in plan.TRITON.values():
+        monkeypatch.setattr(prov, "allow_cpu", True)
+    return monkeypatch

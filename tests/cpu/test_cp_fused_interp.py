@@ -34,15 +34,7 @@ clean_env = backend_fakes.clean_env
 @pytest.fixture
 def fused(clean_env):
     """Emulated FA-2 for cmp/win, the Triton kernels allowed on CPU: "auto" plans the fused dense core."""
-    emulated = backend_fakes.emulated
-    clean_env.setattr(HOOKS, "providers", {"flash_attn": emulated("flash_attn"),
-                                           "torch_flash": emulated("torch_flash"), "sdpa": plan.PROVIDERS["sdpa"]})
-    clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
-    clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
-    clean_env.setenv("TRITON_INTERPRET", "1")
-    for prov in plan.TRITON.values():
-        clean_env.setattr(prov, "allow_cpu", True)
-    return clean_env
+    return backend_fakes.allow_fused(clean_env)
 
 
 def _inputs(seed, B=1, Dv=D_V):

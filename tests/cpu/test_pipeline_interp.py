@@ -16,7 +16,7 @@ from .interp import kernel_modules
 
 combine, tma, topn = kernel_modules("combine", "tma", "topn", probe="topn._topn_kernel")
 
-from nsa import NSAConfig, nsa_attention, nsa_reference, plan, telemetry  # noqa: E402
+from nsa import NSAConfig, nsa_attention, nsa_reference, telemetry  # noqa: E402
 from nsa.branches.combine.naive import combine_torch  # noqa: E402
 from nsa.branches.compressed.naive import compressed_attention  # noqa: E402
 from nsa.branches.selected.naive import top_n  # noqa: E402
@@ -37,14 +37,7 @@ CFGS = [CFG, SMALL["l8d4s16n4i0"], SMALL["l16d4s8n5i1l1"], SMALL["l8d8s8n3i0l0"]
 @pytest.fixture
 def fused(clean_env):
     """Emulated FA-2 for cmp/win, the Triton kernels allowed on CPU: auto takes the fused executor."""
-    clean_env.setattr(HOOKS, "providers", {"flash_attn": emulated("flash_attn"), "torch_flash": emulated("torch_flash"),
-                                           "sdpa": plan.PROVIDERS["sdpa"]})
-    clean_env.setenv("NSA_FA2_MIN_LEN_WIN", "1")
-    clean_env.setenv("NSA_FA2_MIN_LEN_CMP", "1")
-    clean_env.setenv("TRITON_INTERPRET", "1")
-    for prov in plan.TRITON.values():
-        clean_env.setattr(prov, "allow_cpu", True)
-    return clean_env
+    return backend_fakes.allow_fused(clean_env)
 
 
 def served():

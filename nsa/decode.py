@@ -3,6 +3,10 @@ equal to prefill at that position) and `nsa_prefill` (outputs for the prompts, a
 cache that holds tokens, the new ones appended). The cache: nsa.NSACache (contiguous, one buffer per
 sequence) or nsa.PagedNSACache (a page pool and block tables, docs/serving.md); both paths read either.
 
+Several tokens appended to every row (nsa_prefill into a non-empty cache) run as that many decode steps
+on the Triton kernels when every row gets the same number and a step would run there (nsa.plan.plan_append),
+else on the torch append (nsa.branches.decode.extend).
+
 Two implementations of a step, chosen by `backend=` ("auto" | "torch" | "triton"): torch (the prefill
 branches' per-chunk functions on the cache, nsa.branches.decode.naive) and triton (five launches per step,
 no host sync, no allocation, static shapes, capturable in a CUDA graph: nsa.branches.decode.triton).
@@ -17,8 +21,8 @@ import torch
 
 from .cache import NSACache, n_cmp_blocks_dev
 from .config import NSAConfig
-from .plan import DECODE_BACKENDS, plan_decode
-from .run.decode_step import run_decode
+from .plan import DECODE_BACKENDS, DECODE_BRANCHES, plan_append, plan_decode
+from .run.decode_step import run_decode, run_decode_steps
 from .validation import NSAInputError, check_qkv
 
 plan_decode_backend = plan_decode  # the name this decision had before planning moved into nsa.plan
@@ -115,9 +119,14 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     Into an empty cache: nsa_attention on the prompts (its fast paths, `backend`), then the cache written.
     Into a cache that already holds tokens (a prompt in chunks, a new sequence in a freed row beside
     running ones, the k draft tokens of speculative decoding's verify step): each new token attends the
-    cached tokens and the new ones up to itself, equal to one prefill of the whole sequences; this runs
-    on the torch path (nsa.branches.decode.extend, telemetry reason "decode"), rows with no new tokens
-    stay as they are. `cache.truncate(lengths)` then drops the rejected drafts (docs/serving.md).
+    cached tokens and the new ones up to itself, equal to one prefill of the whole sequences; rows with
+    no new tokens stay as they are. When every row gets the same number k >= 1 of tokens (dense, or
+    cu_seqlens with k per row) and a decode step would run on the Triton decode kernels (plan_decode),
+    this runs as k decode steps on them (cost: k decode steps; telemetry event ("pipeline", "append",
+    "decode_steps")); otherwise on the torch path (nsa.branches.decode.extend; event "torch_ragged",
+    "torch_backend" or "torch_planned"). backend there: "auto", "torch" or a prefill provider (the torch
+    path), or "triton" (the decode steps forced). No gradient flows through an append.
+    `cache.truncate(lengths)` then drops the rejected drafts (docs/serving.md).
     """
     from .functional import nsa_attention
 
@@ -127,7 +136,7 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     if cfg != cache.config:
         raise NSAInputError("config differs from the cache's config")
     if not cache.is_empty:
-        return _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn)
+        return _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn, backend)
     if cu_seqlens is not None:
         cache.branch_tokens(k, v, kv_cmp, kv_win, batch=1)
         cache.check_cu_seqlens(cu_seqlens, k.shape[1])
@@ -138,8 +147,11 @@ def nsa_prefill(q, k, v, gates, cache: NSACache, config: NSAConfig | None = None
     cache.write(k, v, kv_cmp=kv_cmp, kv_win=kv_win, compress_fn=compress_fn, cu_seqlens=cu_seqlens)
     return out
 
-def _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn):
-    """nsa_prefill into a non-empty cache (its doc): checks, then nsa.branches.decode.extend."""
+def _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn, backend):
+    """nsa_prefill into a non-empty cache (its doc): every check first, then the append nsa.plan.plan_append
+    chooses: k decode steps on the Triton decode kernels (nsa.run.decode_step.run_decode_steps) or the torch
+    append (nsa.branches.decode.extend). Telemetry: (cmp|sel|win, backend, reason) as for a decode step, and
+    the event ("pipeline", "append", route)."""
     from . import telemetry
     from .branches.decode.extend import extend
 
@@ -152,10 +164,28 @@ def _extend(q, k, v, gates, cache, cfg, cu_seqlens, kv_cmp, kv_win, compress_fn)
         raise NSAInputError(f"q is {q.dtype} on {q.device}, the cache holds {cache.dtype} on {cache.device}")
     if cfg.compress == "mlp" and compress_fn is None:
         raise NSAInputError("config.compress='mlp' needs compress_fn=(phi_k, phi_v)")
-    for branch in ("cmp", "sel", "win"):
-        telemetry.record(branch, "torch", "decode", detail="tokens appended to a non-empty cache: torch path")
+    # cache.write's checks, in its order, before anything is written (the decode steps write token by token)
+    tokens = cache.branch_tokens(k, v, kv_cmp, kv_win, batch=1 if packed else None)
+    if packed:
+        cu = cache.check_cu_seqlens(cu_seqlens, k.shape[1])
+        news = [e - a for a, e in zip(cu, cu[1:])]
+    else:
+        news = [shapes.T] * cache.batch
+    cache.check_room(news)
+    plan = plan_append(backend, q, cache, news)
+    for branch in DECODE_BRANCHES:
+        telemetry.record(branch, plan.step.served, plan.step.reason, detail=plan.step.detail)
+    telemetry.event("pipeline", "append", plan.route)
     with torch.no_grad():
-        return extend(q, gates, cache, k, v, kv_cmp, kv_win, compress_fn, cu_seqlens)
+        if not plan.steps:
+            return extend(q, gates, cache, k, v, kv_cmp, kv_win, compress_fn, cu_seqlens)
+        T = news[0]
+        if not packed:
+            return run_decode_steps(plan.step, q, gates, cache, tokens, compress_fn)
+        # equal lengths covering every row: row b's tokens are b*T .. (b+1)*T - 1 of the packed input
+        rows = [x[0].unflatten(0, (cache.batch, T)) for x in (q, gates, *tokens)]
+        out = run_decode_steps(plan.step, rows[0], rows[1], cache, tuple(rows[2:]), compress_fn)
+        return out.flatten(0, 1)[None]
 
 
 __all__ = ["DECODE_BACKENDS", "nsa_decode", "nsa_prefill", "plan_decode_backend", "step_stats"]

@@ -109,6 +109,14 @@ MUTATIONS = [
              "nsa/paged_cache.py",
              "keep = -(-n // self.page_size)", "keep = len(self._pages[b])",
              ("tests/cpu/test_truncate.py::test_paged_pages_past_the_new_length_return_to_the_pool",)),
+    Mutation("append as decode steps: step j writes the new tokens in reverse order",
+             "nsa/run/decode_step.py",
+             "tuple(x[:, one] for x in tokens)", "tuple(x[:, T - 1 - j:T - j] for x in tokens)",
+             ("tests/cpu/test_append_steps_interp.py::test_equal_k_appends_as_kernel_steps[paged-3]",)),
+    Mutation("append routing: rows with different numbers of new tokens taken as decode steps",
+             "nsa/plan/__init__.py",
+             "    if min(news) != max(news):", "    if False:",
+             ("tests/cpu/test_append_steps_interp.py::test_ragged_k_stays_on_the_torch_append",)),
 ]
 
 

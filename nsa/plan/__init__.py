@@ -41,6 +41,10 @@ chosen path ran as asked, "decode" when torch ran because the kernels are not av
 triton: the environment, not a fallback), or the failed guard's reason (a fallback). Guards: disabled
 (NSA_USE_TRITON_DECODE=0), sm_unsupported (< 8.0), dtype (fp16/bf16/fp32), head_dim (> 256), group_size
 (Hq/Hkv > 64), grad (inputs that need gradients: the kernels have no backward).
+
+Appends (`plan_append`: nsa_prefill into a non-empty cache): k decode steps on those kernels when every row
+gets the same k >= 1 tokens and plan_decode would take them, else the torch append; the route is the
+telemetry event ("pipeline", "append", route).
 """
 
 from __future__ import annotations
@@ -399,3 +403,50 @@ def _plan_decode(backend: str, q, cache, needs_grad: bool) -> DecodePlan:
             raise NSAInputError(f"backend='triton' cannot run this decode step: {fail}")
         return DecodePlan("torch", fail.reason, fail.message)
     return DecodePlan("triton", "forced" if forced else "ok")
+
+
+# --- appends: several new tokens per row into a non-empty cache (nsa_prefill) ---------------------------------
+
+APPEND_BACKENDS = BACKENDS + ("triton",)
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    route: str  # "decode_steps" (k steps on the Triton decode kernels) or "torch_ragged" | "torch_backend" |
+    #             "torch_planned" (the torch append: nsa.branches.decode.extend)
+    step: DecodePlan  # backend, telemetry reason and detail recorded for cmp, sel and win
+
+    @property
+    def steps(self) -> bool:
+        return self.route == "decode_steps"
+
+
+def plan_append(backend: str, q, cache, news: list[int]) -> AppendPlan:
+    """How nsa_prefill appends news[b] tokens to row b of a non-empty cache. When every row gets the same
+    number k >= 1 and a decode step would run on the Triton decode kernels (plan_decode decides, with its
+    guards and reasons), as k decode steps on them; otherwise the torch append. backend: nsa_prefill's
+    ("auto", "torch" or a prefill provider, which has no decode step: the torch append) or "triton" (the
+    kernels forced: NSAInputError when they cannot run or the rows get different numbers of tokens)."""
+    if backend not in APPEND_BACKENDS:
+        raise NSAInputError(f"backend must be one of {APPEND_BACKENDS} for tokens appended to a non-empty cache, "
+                            f"got {backend!r}")
+    if backend not in DECODE_BACKENDS:
+        return AppendPlan("torch_backend", DecodePlan(
+            "torch", "forced", f"backend={backend!r} has no decode step: tokens appended on the torch path"))
+    k = news[0]
+    if max(news) == 0:  # nothing to run (nsa_prefill returns an empty output)
+        return AppendPlan("torch_ragged", DecodePlan("torch", "decode", "no new tokens"))
+    if min(news) != max(news):
+        why = (f"rows get {min(news)} to {max(news)} new tokens: decode steps append the same number to every "
+               "row")
+        if backend == "triton":
+            raise NSAInputError(f"backend='triton' cannot run this append: {why}")
+        # the torch append is the implementation of ragged appends (like a torch decode step: reason "decode")
+        return AppendPlan("torch_ragged", DecodePlan("torch", "decode", why + "; tokens appended on the torch path"))
+    # No gradient on either path (nsa_prefill appends under torch.no_grad), so the grad guard does not apply
+    step = _plan_decode(backend, q, cache, needs_grad=False)
+    if step.backend == "triton":
+        return AppendPlan("decode_steps", DecodePlan(
+            "triton", step.reason, f"{k} new token(s) per row appended as {k} decode step(s)"))
+    return AppendPlan("torch_planned", DecodePlan("torch", step.reason, "; ".join(
+        x for x in (step.detail, "tokens appended on the torch path") if x)))

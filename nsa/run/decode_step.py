@@ -1,7 +1,10 @@
 """Running one planned decode step (nsa.plan.plan_decode): the branch implementation the plan chose, then
-the cache's host-side commit."""
+the cache's host-side commit; and k of them in a row, the append nsa.plan.plan_append routes to the decode
+kernels (`run_decode_steps`)."""
 
 from __future__ import annotations
+
+import torch
 
 from ..branches.decode import naive as decode_naive
 from ..branches.decode import triton as decode_triton
@@ -22,4 +25,17 @@ def run_decode(plan, q, gates, cache, tokens, compress_fn, *, out=None, want_ind
     return res, indices
 
 
-__all__ = ["run_decode"]
+def run_decode_steps(plan, q, gates, cache, tokens, compress_fn):
+    """k decode steps: step j appends token j of every row (q, gates [B, k, ...]; tokens the validated
+    (k, v, kc, vc, kw, vw) [B, k, ...]) and writes its output into row j of out [B, k, Hq, Dv]. A token's
+    decode output is its row in a prefill of the whole sequence, so this is the append's output."""
+    B, T, Hq, _ = q.shape
+    out = torch.empty(B, T, Hq, cache.d_v, dtype=q.dtype, device=q.device)
+    for j in range(T):
+        one = slice(j, j + 1)
+        run_decode(plan, q[:, one], gates[:, one], cache, tuple(x[:, one] for x in tokens), compress_fn,
+                   out=out[:, one])
+    return out
+
+
+__all__ = ["run_decode", "run_decode_steps"]

@@ -6,8 +6,9 @@
   split plan: the same arithmetic on the same values);
 - the step captured in a CUDA graph and replayed equals the eager steps (kernels: bit for bit; torch step:
   1e-6), pages reserved before capture (cache.reserve), crossing page boundaries during the replays;
-- drafts appended and truncated (speculative decoding, cache.truncate with a device tensor), then decode
-  steps on the kernels, both caches: equal to one prefill of the kept sequences (fp32, 1e-5);
+- drafts appended (as decode steps on the kernels) and truncated (speculative decoding, cache.truncate with
+  a device tensor), then decode steps on the kernels, both caches: equal to one prefill of the kept
+  sequences (fp32, 1e-5);
 - pages past 2^31 elements of the pool (int64 addresses): a sequence whose pages sit at the end of a
   pool of 2^31+ elements decodes as on a small pool.
 """
@@ -131,4 +132,6 @@ def test_decode_after_truncate_equals_prefill(gen, paged):
     telemetry.reset()
     for got, want in run_spec(case, cache, backend="auto", tensor_lengths=True):
         assert rel_err(got, want) <= 1e-5
-    assert telemetry.served("sel").get("triton_decode") == steps, telemetry.snapshot()
+    # the drafts' append (12 per row) ran as decode steps on the kernels too: one more record
+    assert telemetry.served("sel").get("triton_decode") == steps + 1, telemetry.snapshot()
+    assert {e["event"] for e in telemetry.snapshot()["events"] if e["backend"] == "append"} == {"decode_steps"}

@@ -3,6 +3,9 @@ the verify step of speculative decoding. Each new token attends what the cache h
 the new tokens up to itself (causal), so any split of a sequence into calls gives the outputs of one
 prefill of the whole. Plain PyTorch on the prefill branches' per-chunk functions, one sequence at a time
 (sizes read from the cache's host-side lengths): a prefill-sized step, not a per-token decode step.
+nsa_prefill runs it where nsa.plan.plan_append does not route the append to decode steps on the Triton
+decode kernels (rows with different numbers of new tokens, a torch decode step planned, a prefill
+provider forced).
 
     out = extend(q, gates, cache, k, v, kv_cmp, kv_win, compress_fn, cu_seqlens)
 """

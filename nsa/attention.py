@@ -15,6 +15,7 @@ from .cache import NSACache
 from .config import NSAConfig
 from .decode import nsa_decode, nsa_prefill
 from .functional import nsa_attention
+from .layout import sequence_of
 from .validation import NSAInputError
 
 BRANCHES = ("cmp", "sel", "win")
@@ -99,7 +100,7 @@ class NSAAttention(nn.Module):
             return torch.arange(T, device=device)[None].expand(B, T)
         tokens = torch.arange(T, device=device)
         cu = cu_seqlens.long()
-        seq = (torch.searchsorted(cu, tokens, right=True) - 1).clamp(max=cu.numel() - 2)
+        seq = sequence_of(cu, tokens).clamp(max=cu.numel() - 2)
         return (tokens - cu[seq])[None]
 
     def project(self, x, positions):
@@ -148,7 +149,7 @@ class NSAAttention(nn.Module):
         appending = decoding and cu_seqlens is not None  # packed new tokens per row, appended (nsa_prefill)
         if appending:
             positions = self._positions(B, T, cu_seqlens, x.device)
-            seq = torch.searchsorted(cu_seqlens.long(), torch.arange(T, device=x.device), right=True) - 1
+            seq = sequence_of(cu_seqlens.long(), torch.arange(T, device=x.device))
             positions = positions + cache.cache_seqlens.long()[seq.clamp(max=cache.batch - 1)][None]
         elif decoding:
             positions = cache.cache_seqlens.long()[:, None] + torch.arange(T, device=x.device)

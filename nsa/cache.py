@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .config import NSAConfig
+from .layout import sequence_of
 from .validation import NSAInputError
 
 
@@ -273,7 +274,7 @@ class NSACache:
             cu = cu_seqlens.long()
             row0, n_new = cu[:-1], cu[1:] - cu[:-1]
             tok = torch.arange(k.shape[1], device=device)
-            b_of = torch.searchsorted(cu, tok, right=True) - 1
+            b_of = sequence_of(cu, tok)
             local = tok - cu[b_of]
             flat = [x[0] for x in (k, v, kc, vc, kw, vw)]
         end = start + n_new

@@ -73,13 +73,19 @@ def _dense_layout(B: int, T: int, cfg: NSAConfig, device: torch.device) -> SeqLa
 _dense_layout_cached = functools.lru_cache(maxsize=8)(_dense_layout)
 
 
+def sequence_of(cu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The index of the sequence that holds each stream position (positions >= 0; cu: the int64 offsets, S + 1
+    of them): the number of sequence starts at or before it, minus one (S for a position past the end).
+    Searched over the whole cu, not cu[1:]: torch 2.11's Inductor cannot lower searchsorted over a slice."""
+    return torch.searchsorted(cu, positions, right=True) - 1
+
+
 def packed_layout(cu_seqlens: torch.Tensor, T: int, cfg: NSAConfig) -> SeqLayout:
     device = cu_seqlens.device
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     tokens = torch.arange(T, device=device)
-    # over the whole cu, minus one (not over cu[1:]): torch 2.11's Inductor cannot lower searchsorted over a slice
-    seq_of_token = torch.searchsorted(cu, tokens, right=True) - 1
+    seq_of_token = sequence_of(cu, tokens)
     seq_start = cu[seq_of_token.clamp(max=len(lengths) - 1)]
 
     l, d = cfg.block_cmp, cfg.stride_cmp

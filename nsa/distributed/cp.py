@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import telemetry
 from ..config import NSAConfig
+from ..layout import sequence_of
 from ..validation import NSAInputError, Shapes, check_block_indices, check_branch_kv, check_cu_seqlens, check_qkv
 from .comm import all_gather_ints, gather_kv
 from .local import compress_prefix, nsa_local, plan_local
@@ -113,7 +114,7 @@ def positions(cp_group, local_len: int, device, cu_seqlens=None) -> torch.Tensor
     if cu_seqlens is None:
         return tok
     cu = cu_seqlens.long()
-    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp(max=cu.numel() - 2)
+    seq = sequence_of(cu, tok).clamp(max=cu.numel() - 2)
     return tok - cu[seq]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...layout import sequence_of
 from .. import flash_wrappers
 from .base import Fa2Provider
 
@@ -70,6 +71,6 @@ def varlen_lse_2d(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int) -> torch.
     n_seq, H, max_q = lse.shape
     cu = cu_q.long()
     tok = torch.arange(total_q, device=lse.device)
-    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp_(max=n_seq - 1)
+    seq = sequence_of(cu, tok).clamp_(max=n_seq - 1)
     pos = (tok - cu[seq]).clamp_(max=max_q - 1)
     return lse[seq, :, pos].transpose(0, 1)

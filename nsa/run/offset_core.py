@@ -11,7 +11,8 @@ The steps are the dense core's (nsa.run.dense_core), each told where its queries
   corner, FA-2's convention) and a tail (fewer than d tokens, every block up to m0 + n). Head and tail
   are unmasked calls of the core's FA-2 provider, as the dense core's tail is. torch_cudnn aligns its
   causal mask to the top-left corner: where it is the compressed provider, square rows (m0 = 0) are one
-  call, rows after m0 >= 2 blocks two calls merged by log-sum-exp (TorchCudnnProvider.offset_rows: the FA-2
+  call, rows after m0 >= 2 blocks calls over pieces of the blocks merged by log-sum-exp
+  (TorchCudnnProvider.offset_rows: the FA-2
   alternative ran 1.6x slower there and its GQA backward held [m0 + n, d*Hq, D] gradients, about 32 KB per
   token of the stream at Hq = 64, D = 128), and a single row or m0 = 1 the core's FA-2 provider. The
   three parts are joined into one o_cmp (one copy of [Tq, Hq, Dv]) for the combine;
@@ -66,8 +67,8 @@ class OffsetCmp:
         d = cfg.stride_cmp
         m0, hl, n, ta = cmp_parts(offset, Tq, cfg)
         prov_rows, ctx = plan.cmp.impl
-        # cuDNN (top-left causal) serves square rows directly and rows after m0 >= 2 blocks as two merged calls
-        # (TorchCudnnProvider.offset_rows); a single row or m0 = 1 go to the FA-2 provider
+        # cuDNN (top-left causal) serves square rows directly and rows after m0 >= 2 blocks as merged calls over
+        # pieces of the blocks (TorchCudnnProvider.offset_rows); a single row or m0 = 1 go to the FA-2 provider
         split = prov_rows.name == "torch_cudnn" and m0 >= MIN_KEYS and n >= MIN_KEYS
         if prov_rows.name == "torch_cudnn" and not split and (m0 > 0 or n < MIN_VIEW_ROWS):
             prov_rows = _fa2(plan)

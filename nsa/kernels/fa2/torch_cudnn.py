@@ -84,12 +84,12 @@ class _OffsetRows(torch.autograd.Function):
             o, l_p, *rest = fwd(qt, k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2), None, True, 0.0, causal,
                                 False, scale=scale)
             ctx.rest.append(rest[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
-            lse_dtype, out_dtype, lse_shape = l_p.dtype, o.dtype, l_p.shape
-            l_p = l_p.float()
-            w = l_p.shape if l_p.dim() == o.dim() else (*l_p.shape, 1)
-            if acc is None:
-                acc, lse = o.float(), l_p
+            if acc is None:  # the first piece: its output and LSE as cuDNN gives them set the merged ones' form
+                out_dtype, lse_dtype, lse_shape = o.dtype, l_p.dtype, l_p.shape
+                w = l_p.shape if l_p.dim() == o.dim() else (*l_p.shape, 1)
+                acc, lse = o.float(), l_p.float()
                 continue
+            l_p = l_p.float()
             new = torch.logaddexp(lse, l_p)
             acc = acc * torch.exp(lse - new).view(w) + o.float() * torch.exp(l_p - new).view(w)
             lse = new

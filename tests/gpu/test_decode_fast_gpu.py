@@ -7,16 +7,20 @@
 - the paper's heads (Hq=64, Hkv=4, D=128) in bf16;
 - the step captured in a CUDA graph and replayed equals the eager steps, bit for bit (same kernels);
   the torch step too (capacity-sized shapes under capture, 1e-6);
-- TinyNSALM.generate(cuda_graph=True) equals eager generation, and a second call reuses its graph.
+- TinyNSALM.generate(cuda_graph=True) equals eager generation, and a second call reuses its graph;
+- programmatic dependent launch (sm 9.0 and later) changes nothing: the steps equal those without, bit for bit.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from decode_cases import all_events, decode_all, decode_rows, expected, make_case, prefill_cache, rel_err
 
 from nsa import NSAConfig, nsa_decode, telemetry
+from nsa.kernels.triton import decode as kd
 from nsa.model.llama_block_nsa import TinyNSALM
 
 pytestmark = [pytest.mark.gpu,
@@ -156,3 +160,18 @@ def test_generate_with_cuda_graph_equals_eager():
     again = model.generate(prompt, 12, cuda_graph=True)
     assert model._decode_graphs[(3, 52)] is runner and torch.equal(again, want)
     model.release_graphs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_programmatic_dependent_launch_changes_nothing(gen, dtype, monkeypatch):
+    if not kd.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a GPU of sm 9.0 or later and Triton 3.4 or later")
+    case = make_case(gen, CONFIGS["paper"], [1, 500, 1100, 2047], 20, 16, 2, 64, 64, dtype=dtype, device="cuda")
+    runs = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, pdl=pdl))
+        cache = prefill_cache(case)
+        runs[pdl] = decode_all(case, cache, "triton")
+        assert kd.workspace_for(cache, 16).pdl is pdl
+    assert torch.equal(runs[True][1], runs[False][1])
+    assert torch.equal(runs[True][0], runs[False][0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _cmp_row, _token_row
+from .parts import _cmp_row, _token_row, gdc_launch_dependents
 
 
 @triton.jit
@@ -17,7 +17,10 @@ def _append_kernel(
     Hkv, Dk, Dv, max_len, W, NB, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, AVG: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the compressed launch may start now: it loads its queries, then waits for this launch to end
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.load(SEQ + b).to(tl.int64)

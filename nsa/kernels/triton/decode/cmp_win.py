@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _attend_tile, _cmp_row, _query_tile, _store_partial, _window_partial
+from .parts import _attend_tile, _cmp_row, _let_next_start, _query_tile, _store_partial, _window_partial
 
 
 @triton.jit
@@ -16,11 +16,12 @@ def _cmp_win_kernel(
     sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
-                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV)
+                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV, PDL)
     if sp < n_split_cmp:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -39,4 +40,5 @@ def _cmp_win_kernel(
     else:  # window programs, when the launcher gives them to this kernel (Tuning.window_with_sel=False)
         m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_cmp, Hkv, Dk, Dv, W, slots_per_split,
                                         qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
+    _let_next_start(PDL)
     _store_partial(PM, PL, PACC, bh * n_parts + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

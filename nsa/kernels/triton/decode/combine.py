@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _load_parts, _merge_parts
+from .parts import _load_parts, _merge_parts, _wait_previous
 
 
 @triton.jit
@@ -14,7 +14,7 @@ def _combine_kernel(
     POS, SEQ, PM, PL, PACC, GATES, OUT,
     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
-    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr,
+    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     dt = tl.program_id(1)
@@ -30,6 +30,7 @@ def _combine_kernel(
     g_sel = tl.load(gp + sg_c, mask=g_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gp + 2 * sg_c, mask=g_ok, other=0.0).to(tl.float32)
     p1 = n_cmp_parts + n_win_parts
+    _wait_previous(PDL)  # the partials of the selection launch (the gates are a step input)
     # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
     # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.
     mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,

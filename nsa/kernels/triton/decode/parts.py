@@ -10,13 +10,49 @@ import triton.language as tl
 
 from ..common import pv_dot, qk_dot, softmax_step
 
+try:  # grid dependency control: programmatic dependent launch (Triton 3.4 and later; sm 9.0 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # an older Triton: the launcher never sets PDL, and these are never traced
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+@triton.jit
+def _wait_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL), a launch of the step may start while the one before it is
+    still running; this waits until that one has finished and its writes are visible. A program reads before
+    this call only what was written before the previous launch started: a launch starts once every program of
+    the one before it has called _let_next_start, which they do after their own wait."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _let_next_start(PDL: tl.constexpr):
+    """Under PDL, let the step's next launch start (once every program of this one has called this or ended).
+    Called after a program's main loop: the next launch's programs then take the SM slots this launch frees,
+    not slots beside it where they would only wait (called right after the wait, the 64k x 32 step ran 7%
+    slower on an H100)."""
+    if PDL:
+        gdc_launch_dependents()
+
 
 @triton.jit
 def _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, WAIT: tl.constexpr):
     """The prologue of an attention program of (b, KV head) bh (launches 2 and 4): b, h, the query tile q
     [BLOCK_G, BLOCK_DK] of the KV head's G query heads (zero past G and Dk), the position t (int64), the
-    ranges over heads, keys and head dims and their masks."""
+    ranges over heads, keys and head dims and their masks. WAIT: the position is written by the launch just
+    before (_wait_previous between the query, a step input, and the position)."""
     b = bh // Hkv
     h = bh % Hkv
     rg = tl.arange(0, BLOCK_G)
@@ -28,6 +64,7 @@ def _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G: tl.constexpr, B
     dv_ok = rdv < Dv
     q = tl.load(Q + b * sq_b + (h * G + rg[:, None]) * sq_h + rdk[None, :], mask=g_ok[:, None] & dk_ok[None, :],
                 other=0.0)
+    _wait_previous(WAIT)
     t = tl.load(POS + b).to(tl.int64)
     return b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok
 

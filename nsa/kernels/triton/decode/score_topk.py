@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .parts import _let_next_start, _wait_previous
+
 
 @triton.jit
 def _score_topk_kernel(
@@ -13,12 +15,13 @@ def _score_topk_kernel(
     Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
     N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
-    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
-    t = tl.load(POS + b).to(tl.int64)
+    t = tl.load(POS + b).to(tl.int64)  # the append's, finished before this launch could start
+    _wait_previous(PDL)  # the compressed launch's partials and logits
     n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
@@ -47,6 +50,7 @@ def _score_topk_kernel(
         lg = tl.load(SCR + (bh * BLOCK_G + rg[:, None]) * NB + i[None, :], mask=inb, other=float("-inf"))
         p = tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0)
         score += tl.sum(p, 0)
+    _let_next_start(PDL)
     tl.store(SCORES + bh * NJ + j, score, mask=j < NJ)
     jt = t // BLOCK_SEL
     free = (j <= jt) & (j < NJ) & (j >= N_INIT) & (j <= jt - N_LOCAL)  # candidates that are not forced

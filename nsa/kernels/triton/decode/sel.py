@@ -7,7 +7,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _attend_tile, _query_tile, _store_partial, _token_row, _window_partial
+from .parts import (
+    _attend_tile,
+    _let_next_start,
+    _query_tile,
+    _store_partial,
+    _token_row,
+    _wait_previous,
+    _window_partial,
+)
 
 
 @triton.jit
@@ -47,19 +55,25 @@ def _sel_kernel(
     BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
-                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV)
+                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV, False)
+    # Under PDL this launch starts once the scoring programs run, after the compressed launch has finished: the
+    # query, the position and the window ring (the append's) are ready; the candidates are not.
     if sp >= n_split_sel:  # window programs (Tuning.window_with_sel): no merge, they start at once
+        # they read nothing of the scoring launch: they run beside it, without waiting
         m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_sel, Hkv, Dk, Dv, W, slots_per_split,
                                         qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
+        _let_next_start(PDL)
         _store_partial(PM, PL, PACC, bh * n_parts + n_split_cmp + sp - n_split_sel, m_i, l_i, acc, rg, rdv, BLOCK_G,
                        BLOCK_DV)
     else:
         # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
         # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
+        _wait_previous(PDL)
         srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
         rk = tl.arange(0, N_PAD)
         if sp == 0:
@@ -80,4 +94,5 @@ def _sel_kernel(
                         q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
                         ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale,
                         IEEE)
+        _let_next_start(PDL)
         _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

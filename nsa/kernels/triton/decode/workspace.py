@@ -8,12 +8,23 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...device import on_gpu
+from ...device import device_capability, on_gpu
 from ..common import next_pow2 as _np2
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pdl_supported(device) -> bool:
+    """Whether the decode launches can use programmatic dependent launch on `device`: a CUDA GPU of compute
+    capability 9.0 or later and a Triton with grid dependency control."""
+    if not on_gpu(device):
+        return False
+    from .parts import HAS_GDC
+
+    cap = device_capability(torch.device(device))
+    return HAS_GDC and cap is not None and cap >= (9, 0)
 
 
 def _max_shared_mem(device) -> int:
@@ -56,6 +67,10 @@ class Tuning:
     window_with_sel: the window's programs run in the selection launch (default), else in the compressed one.
         The window needs no scores; beside the selection programs, which wait on the candidate merge, its
         memory traffic overlaps theirs instead of lengthening the compressed launch, the longest of the step.
+    pdl: programmatic dependent launch of launches 2-5 (default: where the GPU (sm 9.0 and later) and Triton
+        (3.4 and later) have it). Each launch then starts while the one before it ends and waits on the
+        device for its results, so launch latency and the previous launch's tail overlap; the window
+        programs of the selection launch need no scores and run beside the scoring launch.
     Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
@@ -74,6 +89,7 @@ class Tuning:
     target_cmp: int | None = None
     cmp_align: int | None = None
     window_with_sel: bool = True
+    pdl: bool | None = None
 
 
 class DecodeWorkspace:
@@ -142,6 +158,7 @@ class DecodeWorkspace:
         self.CHUNK_CMP, self.CHUNK_WIN, self.CHUNK_SEL = (
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
+        self.pdl = bool(tuning.pdl is not False and pdl_supported(device))
         if on_gpu(device):
             smem, elem, low = _max_shared_mem(device), cache.dtype.itemsize, cache.dtype != torch.float32
             kv_row, q_bytes = (self.BLOCK_DK + self.BLOCK_DV) * elem, self.BLOCK_G * self.BLOCK_DK * elem
@@ -164,4 +181,5 @@ class DecodeWorkspace:
         """The split plan, e.g. "cmp17x256/win8x64/sel16x1/chunks5x256" (programs x items per program)."""
         win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
-                f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}")
+                f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}"
+                + ("/pdl" if self.pdl else ""))

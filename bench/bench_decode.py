@@ -714,7 +714,8 @@ def main(argv=None) -> int:
         return 1
     csv_path = write_csv(args.csv, rows, COLUMNS)
     meta = env_metadata(device)
-    side = write_json(sidecar_path(csv_path), {"meta": meta, "args": {k: v for k, v in vars(args).items()},
+    args_out = {**vars(args), "csv": Path(args.csv).name}  # the file's name only, not the machine's path
+    side = write_json(sidecar_path(csv_path), {"meta": meta, "args": args_out,
                                                 "columns": COLUMNS, "rows": rows, "skipped": skipped})
     f = lambda x, p=3: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
     title = f"NSA decode ({device_name(device)}, {rows[0]['dtype']}"

@@ -98,6 +98,12 @@ def device_name(device: torch.device | str) -> str:
     return cpu
 
 
+def _path_name(arg: str) -> str:
+    """An absolute path on the command line as its file name (an option like --csv=/x/y.csv too)."""
+    key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    return key + eq + (os.path.basename(value) if os.path.isabs(value) else value)
+
+
 def env_metadata(device: torch.device | str = "cpu") -> dict:
     device = torch.device(device)
     try:
@@ -122,7 +128,7 @@ def env_metadata(device: torch.device | str = "cpu") -> dict:
         "nsa": nsa_version,
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
-        "argv": list(sys.argv),
+        "argv": [_path_name(a) for a in sys.argv],  # results travel without the machine's directories
         "nsa_env": nsa_variables(),
     }
     if device.type == "cuda" and torch.cuda.is_available():

@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,8 +197,10 @@ def test_benchutil(tmp_path, monkeypatch):
         benchutil.time_fn(lambda: None, iters=0)
     mem = benchutil.peak_memory(lambda: torch.ones(8 << 20).add_(1))  # 32 MiB
     assert mem["peak_bytes"] >= 0 and mem["method"]
+    monkeypatch.setattr(sys, "argv", ["/opt/x/bench.py", "--csv", "/data/run/out.csv", "--out=/data/run", "rel/a.csv"])
     meta = benchutil.env_metadata("cpu")
     json.dumps(meta)
+    assert meta["argv"] == ["bench.py", "--csv", "out.csv", "--out=run", "rel/a.csv"]  # no machine directories
     assert meta["device"] == "cpu" and meta["torch"] == torch.__version__
     monkeypatch.setattr(benchutil, "REPO_ROOT", tmp_path)  # not a git checkout: None, not an error
     assert benchutil.git_commit() is None

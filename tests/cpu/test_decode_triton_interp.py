@@ -119,6 +119,14 @@ def test_kernels_odd_group_and_head_dims(gen):
     _check_case(case)
 
 
+def test_kernels_selection_blocks_of_three_strides(gen):
+    # l' / d = 3, not a power of two: the scoring kernel sums each block's compressed blocks one offset at a
+    # time (the contiguous tile applies where l' / d is a power of two)
+    cfg = CFG.with_(block_sel=12, window=16)
+    case = make_case(gen, cfg, [11, 50], 4, 4, 2, 16, 16, dtype=torch.float32)
+    _check_case(case)
+
+
 def test_kernels_mlp_compression_and_branch_kv(gen):
     cfg = CFG.with_(compress="mlp", window=12)
     w = torch.randn(cfg.block_cmp, generator=gen)

@@ -10,6 +10,17 @@ from .parts import _let_next_start, _wait_previous
 
 
 @triton.jit
+def _head_sum(row, i, n_vis, NB, lse, g_ok):
+    """sum over the G heads of exp2(logit - lse) of compressed blocks i (0 where i is not visible). Loaded
+    within the scratch row, not only up to n_vis: the load then waits for nothing (t is read in parallel),
+    and the logits past n_vis (stale) are dropped by the where."""
+    ok = g_ok[:, None] & ((i >= 0) & (i < n_vis))[None, :]
+    inb = g_ok[:, None] & ((i >= 0) & (i < NB))[None, :]
+    lg = tl.load(row + i[None, :], mask=inb, other=float("-inf"))
+    return tl.sum(tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0), 0)
+
+
+@triton.jit
 def _score_topk_kernel(
     POS, SCR, PM, PL, CAND, SCORES,
     Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
@@ -41,15 +52,18 @@ def _score_topk_kernel(
     N_OFF: tl.constexpr = R_SEL + R_CMP - 1
     j = c * CHUNK_J + tl.arange(0, CHUNK_J)
     score = tl.zeros([CHUNK_J], tl.float32)
-    for o in tl.static_range(N_OFF):
-        i = j * R_SEL - (R_CMP - 1) + o
-        ok = g_ok[:, None] & ((i >= 0) & (i < n_vis))[None, :]
-        # Loaded within the scratch row, not only up to n_vis: the load then waits for nothing (t is read in
-        # parallel), and the logits past n_vis (stale) are dropped by the where.
-        inb = g_ok[:, None] & ((i >= 0) & (i < NB))[None, :]
-        lg = tl.load(SCR + (bh * BLOCK_G + rg[:, None]) * NB + i[None, :], mask=inb, other=float("-inf"))
-        p = tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0)
-        score += tl.sum(p, 0)
+    row = SCR + (bh * BLOCK_G + rg[:, None]) * NB
+    o0: tl.constexpr = R_SEL if (R_SEL & (R_SEL - 1)) == 0 else 0
+    if o0 > 0:
+        # Offsets o < R_SEL of every block at once: the chunk's R_SEL * CHUNK_J consecutive compressed blocks
+        # as one contiguous tile (vector loads, one head sum), folded into blocks by a reshape. Every block
+        # still takes the same operations in the same order. H100, paper heads: this launch 64k x 8 12.0 ->
+        # 7.6 us, 64k x 32 32.4 -> 23.2 us (64 blocks per chunk; one strided load per offset before).
+        e = c * (CHUNK_J * R_SEL) - (R_CMP - 1) + tl.arange(0, CHUNK_J * R_SEL)
+        p = _head_sum(row, e, n_vis, NB, lse, g_ok)
+        score += tl.sum(tl.reshape(p, [CHUNK_J, R_SEL]), 1)
+    for o in tl.static_range(o0, N_OFF):  # the rest (all offsets where R_SEL is not a power of two)
+        score += _head_sum(row, j * R_SEL - (R_CMP - 1) + o, n_vis, NB, lse, g_ok)
     _let_next_start(PDL)
     tl.store(SCORES + bh * NJ + j, score, mask=j < NJ)
     jt = t // BLOCK_SEL

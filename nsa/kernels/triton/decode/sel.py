@@ -81,18 +81,23 @@ def _sel_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        # The selected blocks are a prefix of srt (-1 after them): one flat loop over this program's (block,
+        # key tile) pairs, with no branch in it, so that Triton software-pipelines it (the next tile's K/V
+        # loads in flight while this one is attended); the nested loop with `if block >= 0` was not (H100,
+        # paper heads, 64k x 32: this launch 50.3 -> 43.2 us).
+        N_TILES: tl.constexpr = (BLOCK_SEL + BLOCK_N - 1) // BLOCK_N
+        n_valid = tl.sum((srt >= 0).to(tl.int32))
         r_lo = sp * slots_per_prog
-        r_hi = tl.minimum(r_lo + slots_per_prog, N_SEL)
-        for r in range(r_lo, r_hi):
+        r_hi = tl.minimum(tl.minimum(r_lo + slots_per_prog, N_SEL), n_valid)
+        for it in range(r_lo * N_TILES, r_hi * N_TILES):
+            r = it // N_TILES
+            c = (it % N_TILES) * BLOCK_N
             jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
-            if jb >= 0:
-                for c in range(0, BLOCK_SEL, BLOCK_N):
-                    u = jb * BLOCK_SEL + c + rn
-                    ok = (c + rn < BLOCK_SEL) & (u <= t)
-                    row = _token_row(BT, sbt, b, u, h, Hkv, max_len, ok, PAGE, PAGED)
-                    _, m_i, l_i, acc = _attend_tile(
-                        q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
-                        ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale,
-                        IEEE)
+            u = jb * BLOCK_SEL + c + rn
+            ok = (c + rn < BLOCK_SEL) & (u <= t)
+            row = _token_row(BT, sbt, b, u, h, Hkv, max_len, ok, PAGE, PAGED)
+            _, m_i, l_i, acc = _attend_tile(
+                q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
+                ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
         _let_next_start(PDL)
         _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

@@ -54,12 +54,14 @@ class Tuning:
         at least min_tiles).
     min_tiles: the least key tiles per compressed / window program (default 3: one-tile programs left many
         partials to merge; H100, paper heads: 8k x 8 38.9 -> 35.4 us, 64k x 1 29.0 -> 26.6 us per step).
-    chunk_j: selection blocks per scoring program (default: up to 64).
+    chunk_j: selection blocks per scoring program (default: 32, more where the selection programs would
+        merge more than 1024 candidates).
     sel_splits: selection programs per (b, KV head) (default: about 2 per SM in all, at most n_sel).
     dv_tile: output columns per combine program (default 8).
     part_chunk: partials per combine load and branch (default 256 / padded G).
     warps_*: warps of each kernel; stages_cmp: pipeline depth of the compressed/window loop (default 2,
-        fewer where shared memory is short).
+        fewer where shared memory is short); stages_sel: the selection launch's (default: stages_cmp's with
+        the window programs in that launch, else 3 for 16-bit tiles, fewer where shared memory is short).
     target_cmp: compressed programs per launch, at most (default on CUDA: 3 per SM, one wave of the programs
         an SM holds at once; with target_programs set: that, rounded up per (b, KV head)).
     cmp_align: compressed blocks per program are a multiple of this (default block_n: whole tiles; 16 gave
@@ -82,6 +84,7 @@ class Tuning:
     warps_sel: int = 4
     warps_combine: int = 4
     stages_cmp: int | None = None
+    stages_sel: int | None = None
     part_chunk: int | None = None
     sel_splits: int | None = None
     tiles_per_program: int | None = None
@@ -138,10 +141,14 @@ class DecodeWorkspace:
         self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
         self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
         self.NJ = cfg.n_sel_blocks(cache.max_len)
-        # 64 selection blocks per scoring program: many programs even for one sequence, and a cheap rank-based
-        # top-n per chunk (64 x 64 comparisons).
-        cj = tuning.chunk_j or min(64, max(16, _np2(self.NJ)))
+        # 32 selection blocks per scoring program: many short programs (the scoring launch is latency-bound;
+        # H100, paper heads, 64k x 32: 23.2 -> 19.8 us against 64) and a cheap rank-based top-n per chunk,
+        # as long as the selection programs merge at most 1024 candidates (longer chunks past about 64k
+        # tokens: a longer merge would cost more than the shorter chunks save).
+        cj = tuning.chunk_j or min(32, max(16, _np2(self.NJ)))
         cj = max(cj, _np2(cfg.n_sel))
+        if not tuning.chunk_j:
+            cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 1024)))
         cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 4096)))  # at most 4096 candidates to merge
         self.CHUNK_J = cj
         self.n_chunks = _cdiv(self.NJ, cj)
@@ -167,6 +174,7 @@ class DecodeWorkspace:
             self.stages_sel = _stages(self.BLOCK_N_SEL * kv_row, smem, low, q_bytes)
             if self.window_with_sel:  # its window loop is pipelined like the compressed one
                 self.stages_sel = min(self.stages_sel, self.stages_cmp)
+            self.stages_sel = tuning.stages_sel or self.stages_sel
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
         self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)

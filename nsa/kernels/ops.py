@@ -3,6 +3,8 @@ as single graph nodes instead of entering Triton's launchers (docs/compile.md).
 
     torch.ops.nsa.sel_fwd(q, k, v, indices, seq_start, block_sel, scale) -> (o, lse)        selected attention
     torch.ops.nsa.sel_bwd(do, q, k, v, o, lse, indices, seq_start, block_sel, scale) -> (dq, dk, dv)
+    torch.ops.nsa.sel_combine_fwd(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win)
+        -> (out, o, lse)                                  selected attention with the gate combine in its epilogue
     torch.ops.nsa.topn(q, k_cmp, lse, seq_start, cmp_slot0, block_cmp, stride_cmp, block_sel, n_sel, n_init,
                        n_local, scale) -> indices                                          fused score + top-n
     torch.ops.nsa.combine_fwd(gates, o_cmp, o_sel, o_win) -> out                            gate combine
@@ -73,6 +75,38 @@ def _sel_backward(ctx, do, _dlse):
 sel_fwd.register_autograd(_sel_backward, setup_context=_sel_setup)
 
 
+@torch.library.custom_op("nsa::sel_combine_fwd", mutates_args=())
+def sel_combine_fwd(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, seq_start: Tensor, block_sel: int,
+                    scale: float, gates: Tensor, o_cmp: Tensor, o_win: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    from .triton.combine import Segments
+    from .triton.selection import sel_forward
+
+    return sel_forward(q, k, v, indices, seq_start, block_sel, scale, combine=(gates, Segments.whole(o_cmp), o_win))
+
+
+@sel_combine_fwd.register_fake
+def _sel_combine_fwd_fake(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win):
+    B, T, Hq, _ = q.shape
+    Dv = v.shape[3]
+    return q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, dtype=torch.float32)
+
+
+def _sel_combine_setup(ctx, inputs, output):
+    q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win = inputs
+    _, o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win)
+    ctx.block_sel, ctx.scale = block_sel, scale
+
+
+def _sel_combine_backward(ctx, dout, do_sel, _dlse):
+    q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win = ctx.saved_tensors
+    dg, d_cmp, d_sel, d_win = combine_bwd(dout, gates, o_cmp, o, o_win)
+    if do_sel is not None:  # o_sel itself used downstream (the library returns only out)
+        d_sel = d_sel + do_sel
+    dq, dk, dv = sel_bwd(d_sel, q, k, v, o, lse, indices, seq_start, ctx.block_sel, ctx.scale)
+    return dq, dk, dv, None, None, None, None, dg, d_cmp, d_win
+
+
 def _dedupe(indices: Tensor) -> Tensor:
     """int32 indices with a block named twice in a row counted once (repeats become -1, which the kernels
     skip anywhere in a row): the same as nsa.kernels.triton.selection's entry point, traced here."""
@@ -86,6 +120,16 @@ def selected_attention(q, k, v, indices, seq_start, block_sel: int, scale: float
     """o [B, T, Hq, Dv] of the selected branch through the operators (differentiable in q, k, v)."""
     ss = seq_start.to(torch.int32)
     return torch.ops.nsa.sel_fwd(q, k, v, _dedupe(indices), ss, int(block_sel), float(scale))[0]
+
+
+def selected_attention_combined(q, k, v, indices, seq_start, block_sel: int, scale: float, gates, o_cmp,
+                                o_win) -> Tensor:
+    """out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win through one operator: the selection forward with the
+    gate combine in its epilogue, as the dense core runs it in eager mode (differentiable in q, k, v, gates,
+    o_cmp, o_win)."""
+    ss = seq_start.to(torch.int32)
+    return torch.ops.nsa.sel_combine_fwd(q, k, v, _dedupe(indices), ss, int(block_sel), float(scale), gates,
+                                         o_cmp, o_win.contiguous())[0]
 
 
 # --- fused score + top-n -------------------------------------------------------------------------------------
@@ -214,7 +258,9 @@ def _window_backward(ctx, do, _dlse):
 
 window_fwd.register_autograd(_window_backward, setup_context=_window_setup)
 
-OPS = ("sel_fwd", "sel_bwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd")
+sel_combine_fwd.register_autograd(_sel_combine_backward, setup_context=_sel_combine_setup)  # uses combine_bwd
 
-__all__ = ["OPS", "combine_bwd", "combine_fwd", "gate_combine", "sel_bwd", "sel_fwd", "selected_attention",
-           "top_n", "topn", "window_bwd", "window_fwd"]
+OPS = ("sel_fwd", "sel_bwd", "sel_combine_fwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd")
+
+__all__ = ["OPS", "combine_bwd", "combine_fwd", "gate_combine", "sel_bwd", "sel_combine_fwd", "sel_fwd",
+           "selected_attention", "selected_attention_combined", "top_n", "topn", "window_bwd", "window_fwd"]

@@ -183,8 +183,8 @@ def _served():
 
 def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
     """The fused executor under compile, T dynamic: every kernel an nsa:: operator in the one graph, the dense
-    core's steps as separate operators (its reason counted in telemetry, not a fallback), outputs and
-    gradients as in eager mode (which runs the dense core)."""
+    core's steps as separate operators (its reason counted in telemetry, not a fallback) with the selection
+    and the gate combine as one, outputs and gradients as in eager mode (which runs the dense core)."""
     from torch._dynamo import mark_dynamic
     from torch._dynamo.backends.debugging import aot_eager
 
@@ -206,7 +206,9 @@ def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
             mark_dynamic(x, 1)
         _same(fn, compiled, args, tol=2e-5)
     assert len(graphs) == 1
-    assert {f"nsa.{op}" for op in ("sel_fwd", "topn", "combine_fwd")} <= {t.removesuffix(".default") for t in seen}
+    ops_seen = {t.removesuffix(".default") for t in seen}
+    # the gate combine in the selection kernel's epilogue, as the dense core runs it: no separate combine pass
+    assert {"nsa.sel_combine_fwd", "nsa.topn"} <= ops_seen and "nsa.combine_fwd" not in ops_seen
     counts = backend_fakes.counts()
     assert counts[("core", "separate", "compile")] == 1  # recorded when traced, once
     assert _served() == {"cmp": {"flash_attn": 3}, "topn": {"triton": 3}, "sel": {"triton": 3},
@@ -243,7 +245,7 @@ def test_trace_constant_sets_dynamos_mark():
     assert trace_constant(lambda: 0)._dynamo_marked_constant is True
 
 
-@pytest.mark.parametrize("name", ["sel_fwd", "topn", "combine_fwd", "window_fwd"])
+@pytest.mark.parametrize("name", ["sel_fwd", "sel_combine_fwd", "topn", "combine_fwd", "window_fwd"])
 def test_operator_contracts(fused, gen, name):
     """torch.library.opcheck: schema, fake (meta) shapes/dtypes/strides against the real kernel, autograd
     registration."""
@@ -252,9 +254,12 @@ def test_operator_contracts(fused, gen, name):
         fused.setattr(HOOKS, "tma_force", True)
         q, k, v, _ = make_inputs(gen, 1, 20, 2, 1, 64, 64, torch.float32, requires_grad=True)
         args = (q, k, v, 8, 0.125)
-    elif name == "sel_fwd":
+    elif name in ("sel_fwd", "sel_combine_fwd"):
         idx = torch.randint(-1, 3, (1, 20, 1, 3), generator=gen, dtype=torch.int32)
         args = (q, k, v, ops._dedupe(idx), torch.zeros(1, 20, dtype=torch.int32), 8, 0.25)
+        if name == "sel_combine_fwd":
+            gates = torch.rand(1, 20, 2, 3, generator=gen, requires_grad=True)
+            args += (gates, *(torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True) for _ in range(2)))
     elif name == "topn":
         kc = torch.randn(1, 4, 1, 16, generator=gen)
         lse = torch.randn(1, 20, 2, generator=gen)

@@ -2,6 +2,8 @@
 
     indices = top_n(q, k_cmp, lse, layout, cfg, scale)                 fused score + top-n
     o_sel = selected_attention(q, k, v, indices, layout, cfg, scale)     forward + backward (autograd)
+    out = selected_attention_combined(q, k, v, indices, layout, cfg, scale, gates, o_cmp, o_win)
+                                                                       the same, gate combine in the epilogue
 
 and the two halves the dense core (nsa.run.dense_core) calls inside its own autograd node:
 
@@ -36,6 +38,14 @@ def selected_attention(q, k, v, indices, layout, cfg, scale):
     from ...kernels.triton.selection import selected_attention_triton
 
     return selected_attention_triton(q, k, v, indices, layout.seq_start, cfg, scale)
+
+
+def selected_attention_combined(q, k, v, indices, layout, cfg, scale, gates, o_cmp, o_win):
+    """The gate combine's out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win with o_sel from the selection kernel,
+    whose epilogue applies the gates (one custom operator: the graph torch.compile traces gets the dense core's
+    forward fusion; its backward is the combine's, then the selection's)."""
+    return ops.selected_attention_combined(q, k, v, indices, layout.seq_start, cfg.block_sel, scale, gates,
+                                           o_cmp, o_win)
 
 
 def top_n_at(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, q_offset: int):

@@ -352,11 +352,11 @@ def test_kernels_after_a_truncate(gen, paged):
 
 def test_programmatic_dependent_launch_is_planned_on_sm90_and_later_only(monkeypatch):
     from nsa.hooks import HOOKS
-    from nsa.kernels.triton.decode import parts
+    from nsa.kernels.triton.decode import parts, workspace
 
     cpu = torch.device("cpu")
     assert not kd.pdl_supported(cpu)  # the interpreter: no launch options at all
     monkeypatch.setattr(HOOKS, "pretend_gpu", (8, 0))
     assert not kd.pdl_supported(cpu)
     monkeypatch.setattr(HOOKS, "pretend_gpu", (9, 0))
-    assert kd.pdl_supported(cpu) is parts.HAS_GDC
+    assert kd.pdl_supported(cpu) is (parts.HAS_GDC and workspace._launch_pdl_option())

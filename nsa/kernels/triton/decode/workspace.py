@@ -24,7 +24,16 @@ def pdl_supported(device) -> bool:
     from .parts import HAS_GDC
 
     cap = device_capability(torch.device(device))
-    return HAS_GDC and cap is not None and cap >= (9, 0)
+    return HAS_GDC and _launch_pdl_option() and cap is not None and cap >= (9, 0)
+
+
+def _launch_pdl_option() -> bool:
+    """Whether Triton's CUDA launch options have `launch_pdl` (the launch attribute the kernels' waits pair with)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def _max_shared_mem(device) -> int:

@@ -96,15 +96,20 @@ def _sel_combine_setup(ctx, inputs, output):
     _, o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win)
     ctx.block_sel, ctx.scale = block_sel, scale
+    ctx.set_materialize_grads(False)  # o's gradient stays None when only out is used: no pass adding zeros
 
 
 def _sel_combine_backward(ctx, dout, do_sel, _dlse):
     q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win = ctx.saved_tensors
+    dout = torch.zeros_like(o) if dout is None else dout
     dg, d_cmp, d_sel, d_win = combine_bwd(dout, gates, o_cmp, o, o_win)
     if do_sel is not None:  # o_sel itself used downstream (the library returns only out)
         d_sel = d_sel + do_sel
     dq, dk, dv = sel_bwd(d_sel, q, k, v, o, lse, indices, seq_start, ctx.block_sel, ctx.scale)
     return dq, dk, dv, None, None, None, None, dg, d_cmp, d_win
+
+
+sel_combine_fwd.register_autograd(_sel_combine_backward, setup_context=_sel_combine_setup)
 
 
 def _dedupe(indices: Tensor) -> Tensor:
@@ -257,8 +262,6 @@ def _window_backward(ctx, do, _dlse):
 
 
 window_fwd.register_autograd(_window_backward, setup_context=_window_setup)
-
-sel_combine_fwd.register_autograd(_sel_combine_backward, setup_context=_sel_combine_setup)  # uses combine_bwd
 
 OPS = ("sel_fwd", "sel_bwd", "sel_combine_fwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd")
 

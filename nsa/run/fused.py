@@ -32,17 +32,15 @@ def run_fused(plan, q, k, v, gates, cfg, layout, *, kv_cmp=None, kv_win=None, co
         return out, (indices if need_indices else None)
     o_cmp, lse = plan.cmp.fn(q, k_cmp, v_cmp, layout, cfg, scale)
     indices = given if given is not None else plan.topn.fn(q, k_cmp, lse, layout, cfg, scale)
+    o_win = plan.win.fn(q, kw, vw, layout, cfg, scale)
     if compiling() and plan.sel.provider == plan.combine.provider == "triton":
         # Under torch.compile (where the dense core does not run) the gate combine still runs in the selection
         # kernel's epilogue, as the dense core runs it: one operator, no separate combine pass over o_sel.
         telemetry.event("pipeline", "fused", "sel_combine")
-        o_win = plan.win.fn(q, kw, vw, layout, cfg, scale)
         out = selected_triton.selected_attention_combined(q, k, v, indices, layout, cfg, scale, gates, o_cmp, o_win)
-        return out, (indices if need_indices else None)
-    o_sel = plan.sel.fn(q, k, v, indices, layout, cfg, scale)
-    o_win = plan.win.fn(q, kw, vw, layout, cfg, scale)
-    combine = plan.combine.fn or combine_torch
-    out = combine(gates, o_cmp, o_sel, o_win)
+    else:
+        o_sel = plan.sel.fn(q, k, v, indices, layout, cfg, scale)
+        out = (plan.combine.fn or combine_torch)(gates, o_cmp, o_sel, o_win)
     return out, (indices if need_indices else None)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _cmp_row, _token_row, gdc_launch_dependents
+from .parts import _cmp_row, _let_next_start, _token_row
 
 
 @triton.jit
@@ -19,8 +19,7 @@ def _append_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, AVG: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # the compressed launch may start now: it loads its queries, then waits for this launch to end
-        gdc_launch_dependents()
+    _let_next_start(PDL)  # at once: the compressed launch loads its queries, then waits for this launch to end
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.load(SEQ + b).to(tl.int64)

@@ -89,10 +89,12 @@ class ViewCmp:
         d = cfg.stride_cmp
         t0, n = view_rows(T, cfg)
         ta = t0 + n * d  # first tail token (T when there is none)
+        # Rows by view; V zero-padded to Dk in its expanded copy when Dv < Dk (FA-2 takes one head dim; cuDNN
+        # from the release with the wide heads takes V as it is).
+        v_dim = Dv if plan.cmp.impl[0].takes_narrower_v() else Dk
         with torch.enable_grad():
-            # Rows by view; V zero-padded to Dk in its expanded copy when Dv < Dk (FA-2 takes one head dim).
             self.rows_in = (_leaf(fold_q_view(q, t0, n, d)), _leaf(expand_kv(k_cmp, n, d)),
-                            _leaf(expand_kv(v_cmp, n, d, Dk)))
+                            _leaf(expand_kv(v_cmp, n, d, v_dim)))
             o_rows, lse_rows = rows_attention(plan.cmp.impl[0], *self.rows_in, scale)
             self.o_main = unfold_view_o(o_rows, Hq)[..., :Dv]
             lse = torch.empty(B, T, Hq, device=q.device, dtype=torch.float32)

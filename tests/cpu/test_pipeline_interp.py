@@ -129,7 +129,8 @@ def test_topn_kernel_matches_naive(gen, cfg, T):
     assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("G,D", [(1, 8), (3, 24), (16, 16)])
+# D = 48 and 40: two column tiles (32 + 16, the second full or masked), as the paper's 192 runs as 128 + 64
+@pytest.mark.parametrize("G,D", [(1, 8), (3, 24), (16, 16), (2, 48), (1, 40)])
 def test_topn_kernel_groups_and_head_dims(gen, G, D):
     got, want = _topn_case(gen, CFG, 1, 40, G * 2, 2, D)
     assert torch.equal(got, want)
@@ -200,6 +201,17 @@ def test_topn_kernel_tma_copies_match_naive(gen, monkeypatch, packed, cfg, copy_
     got, want = _topn_case(gen, cfg, 1, T, 4, 2, 16, cu, config=conf)
     assert torch.equal(got, want)
     assert tma.USED["topn"] == 1 + copy_kc
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+def test_topn_kernel_tma_copies_of_two_column_tiles(gen, monkeypatch):
+    """D = 48 as 32 + 16 columns, each tile of q and of the keys by its own tensor-memory copy."""
+    monkeypatch.setattr(HOOKS, "tma_force", True)
+    tma.USED.clear()
+    conf = {"BLOCK_T": 16, "CMP_PER_CHUNK": 16, "HEAD_STAGES": 2, "num_warps": 4, "TMA_Q": True, "TMA_KC": True}
+    got, want = _topn_case(gen, CFG, 1, 200, 4, 2, 48, config=conf)
+    assert torch.equal(got, want)
+    assert tma.USED["topn"] == 2 and tma.USED["topn_tail"] == 2
 
 
 def test_topn_shift_parts_are_exact(gen):
@@ -378,6 +390,25 @@ def test_dense_core_matches_torch_path(fused, gen, provider, cfg, B, T):
     assert _core_events() == 1
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["cudnn-9.1", "cudnn-9.19"])
+def test_dense_core_cudnn_takes_v_narrower_than_k(fused, gen, wide):
+    """Dk = 1.5 Dv on cuDNN: the folded rows' V is zero-padded to Dk for a cuDNN before the release with the
+    wide heads, and passed as it is from that release on; either way the torch path's results."""
+    from nsa.kernels.fa2.torch_cudnn import WIDE_HEADS_CUDNN
+
+    prov = backend_fakes.emulated_cudnn()
+    if wide:
+        prov.cudnn_version = WIDE_HEADS_CUDNN
+    seen = []
+    kernel = prov.kernel
+    prov.kernel = lambda q, k, v, *a, **kw: seen.append(v.shape[-1]) or kernel(q, k, v, *a, **kw)
+    fused.setattr(HOOKS, "cudnn", prov)
+    q, k, v, g = make_inputs(gen, 1, 29, 4, 2, 24, 16, torch.float32, True)
+    _auto_matches_torch_path(gen, q, k, v, g, CFG)
+    assert telemetry.served("cmp") == {"torch_cudnn": 1} and _core_events() == 1
+    assert seen and set(seen) == {16 if wide else 24}
+
+
 def test_dense_core_launches_the_window_first(fused, gen):
     """The sliding branch is started before the compression (the GPU's first large kernel), and the core
     uses that result: the same output as the torch path."""
@@ -496,8 +527,9 @@ def test_dense_core_packed_without_blocks(fused, gen):
 
 @pytest.mark.parametrize("T", [29, 31], ids=["tail", "no-tail"])
 def test_dense_core_dk_wider_than_dv_against_fp64(fused, gen, T):
-    """Dk = 1.5 Dv (the paper's 192 / 128): rows by view with V zero-padded to Dk, the tail likewise."""
-    _core_against_fp64(gen, CFG, T, 4, 2, 24, 16, torch.float32, 2e-5, "fold_view", B=2)
+    """Dk = 1.5 Dv (the paper's 192 / 128): rows by view with V zero-padded to Dk, the tail likewise; Dk = 48
+    runs the selection kernels on two column tiles (32 + 16), as 192 runs on 128 + 64."""
+    _core_against_fp64(gen, CFG, T, 4, 2, 48, 32, torch.float32, 2e-5, "fold_view", B=2)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])

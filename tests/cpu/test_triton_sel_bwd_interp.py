@@ -149,7 +149,9 @@ def test_work_plan_covers_each_entry_once(gen):
 # --- gradients against fp64 ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("G,Dk,Dv", [(1, 16, 8), (2, 16, 16), (3, 8, 16), (4, 24, 8), (16, 16, 8)])
+# Dk = 48 and 40: two column tiles (32 + 16, the second full or masked), as the paper's 192 runs as 128 + 64
+@pytest.mark.parametrize("G,Dk,Dv", [(1, 16, 8), (2, 16, 16), (3, 8, 16), (4, 24, 8), (16, 16, 8), (2, 48, 16),
+                                     (1, 40, 8)])
 def test_grads_vs_fp64(gen, G, Dk, Dv):
     B, T, Hkv, ls, n = 1, 29, 2 if G < 16 else 1, 8, 3
     q, k, v = inputs(gen, B, T, Hkv, G, Dk, Dv)
@@ -162,13 +164,14 @@ def test_grads_vs_fp64(gen, G, Dk, Dv):
 
 
 def test_several_chunks_per_block_and_bitwise_repeats(gen, monkeypatch):
-    """Chunks of 3 queries: most blocks take the partials + reduce path. A second run: the same bits."""
+    """Chunks of 3 queries: most blocks take the partials + reduce path. A second run: the same bits. Dk = 40:
+    the partials of two column tiles, the second one masked."""
     monkeypatch.setattr(selection_bwd, "CHUNK_ROWS", 6)
     B, T, Hkv, G, ls = 1, 24, 1, 2, 8
-    q, k, v = inputs(gen, B, T, Hkv, G, 16, 8)
+    q, k, v = inputs(gen, B, T, Hkv, G, 40, 8)
     ss = torch.zeros(B, T, dtype=torch.long)
     idx = random_indices(gen, ss, B, T, Hkv, 3, ls, pad_prob=0.1)
-    chunk = selection_bwd.bwd_config(G, 16, 8, ls, q.dtype, q.device)["chunk"]
+    chunk = selection_bwd.bwd_config(G, 40, 8, ls, q.dtype, q.device)["chunk"]
     plan = selection_bwd.plan_backward(naive.dedupe_indices(idx).to(torch.int32), ss.to(torch.int32), ls, chunk)
     assert chunk == 3 and int(plan.n_reduce) >= 2, "the test must exercise the partials"
     _, first, go = kernel_and_fp64(gen, q, k, v, idx, ss, ls)

@@ -44,6 +44,10 @@ class Fa2Provider:
         """The pretended capability (tests), else the device's (None off CUDA)."""
         return self.capability or device_capability(device)
 
+    def takes_narrower_v(self) -> bool:
+        """Whether attn takes v with a narrower head dim than q and k (else the caller zero-pads v to Dk)."""
+        return False
+
     def attn(self, q, k, v, *, causal: bool, left: int, scale: float, varlen, need_lse: bool):
         """One FA-2 call. Dense q [B, Tq, H, D] or varlen q [total, H, D] with varlen = (cu_q, cu_k, max_q,
         max_k). causal: bottom-right causal; else left >= 0 is a window (w-1, 0) and left < 0 no mask at all

@@ -132,6 +132,12 @@ class TorchCudnnProvider(Fa2Provider):
     def max_head_dim(self) -> int:
         return cudnn_max_head_dim(self.cudnn_version)
 
+    def takes_narrower_v(self) -> bool:
+        """cuDNN attention takes Dv < Dk (the paper's 192 / 128) unpadded: measured with the release that has the
+        wide heads, so from that release on. On an H200 at 64k that saves the zero-padded V copy, the padded
+        output and its gradient (three [T, Hq, Dk]-sized passes) and a third of the P.V work."""
+        return cudnn_max_head_dim(self.cudnn_version) == MAX_HEAD_DIM_WIDE
+
     def availability(self, device, forced):
         return self._settled(device, self.kernel, "kernel") or torch_cudnn_status()
 

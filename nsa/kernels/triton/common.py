@@ -5,6 +5,7 @@ costs nothing over writing its body in place).
     pv_dot(p, v, IEEE)             probabilities times a value tile, in v's dtype (fp32 inputs: IEEE)
     softmax_step(s, m, l, SAFE)    the online-softmax step in the exp2 domain: (p, alpha, m_new, l_new)
     load_tile(DESC, ptrs, ...)     a [N, D] K or V tile by TMA descriptor or by masked pointer loads
+    split_dim(D)                   (host) a head dim as a power-of-two tile plus a smaller power-of-two tail
     bh_program(axis, H)            (b, h) of a program whose grid axis runs over batch x heads
 
 Softmax state is fp32 in the exp2 domain (logits * scale * log2(e)); alpha rescales what the state held
@@ -58,12 +59,13 @@ def softmax_step(s, m_i, l_i, SAFE: tl.constexpr):
 
 @triton.jit
 def load_tile(DESC, ptrs, b, row0, h, keep, d_ok, N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
-              EVEN_D: tl.constexpr):
-    """A [N, D] tile of a [B, T, H, D] tensor: by a TMA copy of rows [row0, row0 + N) of head h (rows outside
-    [0, T) read as zeros; the caller masks the rest in its scores), else by pointer loads at `ptrs` [N, D]
-    masked by `keep` [N] and, unless EVEN_D, by the head-dim mask `d_ok` [D]."""
+              EVEN_D: tl.constexpr, COL: tl.constexpr = 0):
+    """A [N, D] tile of a [B, T, H, D] tensor: by a TMA copy of rows [row0, row0 + N) of head h, columns
+    [COL, COL + D) (rows outside [0, T) and columns past the head dim read as zeros; the caller masks the
+    rest in its scores), else by pointer loads at `ptrs` [N, D] masked by `keep` [N] and, unless EVEN_D, by
+    the head-dim mask `d_ok` [D]."""
     if TMA:
-        x = tl.reshape(DESC.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [N, D])
+        x = tl.reshape(DESC.load([b.to(tl.int32), row0, h.to(tl.int32), COL]), [N, D])
     elif EVEN_D:  # no column mask: fewer predicate registers, wider loads
         x = tl.load(ptrs, mask=keep[:, None], other=0.0)
     else:
@@ -83,4 +85,20 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-__all__ = ["LN2", "LOG2E", "bh_program", "load_tile", "next_pow2", "pv_dot", "qk_dot", "softmax_step"]
+def split_dim(d: int, least: int = 16) -> tuple[int, int]:
+    """(main, tail) column tiles of a head dim d: main the largest power of two <= d, tail the power of two
+    (>= least) that covers the rest; (next power of two, 0) where d needs no tail, where the tail would be as
+    wide as the main tile, or where it would be narrower than half of it. tl.arange and tl.dot take
+    power-of-two tiles only, so a kernel with one [.., next_pow2(d)] tile computes on zero columns: the
+    paper's Dk=192 as 256 is a third more work in every q.k dot; as 128 + 64 it is none (H200, 16k: the
+    selection forward 4.1 ms against 6.1, the whole selection backward 11.5 against 16.1 at best).
+    Narrower tails (144 as 128 + 16, 160 as 128 + 32) made ptxas spill 3-10 KB per thread in the backward
+    kernels on sm 8.0 and 9.0 (bench/triton_compile_check.py), so those keep one padded tile."""
+    full = max(least, next_pow2(d))
+    main = max(least, 1 << (max(1, int(d)).bit_length() - 1))
+    tail = 0 if main >= d else max(least, next_pow2(d - main))
+    return (full, 0) if tail == 0 or main + tail >= full or 2 * tail < main else (main, tail)
+
+
+__all__ = ["LN2", "LOG2E", "bh_program", "load_tile", "next_pow2", "pv_dot", "qk_dot", "softmax_step",
+           "split_dim"]

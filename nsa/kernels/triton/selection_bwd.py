@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..device import on_gpu
 from . import tma
-from .common import bh_program
+from .common import bh_program, split_dim
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
 
 LOG2E = 1.4426950408889634
@@ -68,8 +68,9 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     by TMA (tma.py), with 3 stages where pointer loads had 2 (H100, 64k: whole backward 36.1 ms against
     38.0 with 2 stages and 37.2 with pointer loads). Tune here.
     """
-    bdk, bdv = max(16, _np2(Dk)), max(16, _np2(Dv))
-    width = bdk + bdv
+    bdk, bdk2 = split_dim(Dk)  # 192 as 128 + 64 columns (no dot over zero columns)
+    bdv = max(16, _np2(Dv))
+    width = bdk + bdk2 + bdv
     ieee = dtype == torch.float32
     # fp32 tiles take twice the registers and shared memory: halve them
     dq_bn = min(max(16, _np2(block_sel)), DQ_MAX_BLOCK_N, 32 if ieee and width >= 256 else 64)
@@ -78,26 +79,37 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     # forward (H200, bf16, G=16, D=128, the dq kernel alone at 64k: 15.2 ms against 16.3 with 4 warps,
     # 64-token tiles and 3 stages, and 15.3 with 2 warps; 8k 2.00 against 2.07;
     # bench/results/h200-cu130-torch2.11/tune_topn_seldq.csv).
+    # The paper's Dk=192 / Dv=128 (width 320 as two column tiles): two warps, 32-token tiles in 3 stages (H200,
+    # 16k, the dq kernel alone with one 256-column tile: 6.95 ms against 11.03 with 8 warps, 64-token tiles
+    # and 1 stage; 4 warps with 64-token tiles in 3 stages 6.96).
     one_warp = tma and not ieee and width <= 256 and G <= 16
-    if one_warp:
+    two_warps = tma and not ieee and 256 < width <= 320 and G <= 16
+    if one_warp or two_warps:
         dq_bn = min(dq_bn, 32)
-    dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DV=bdv,
+    dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DK2=bdk2, BLOCK_DV=bdv,
               N_SUB=triton.cdiv(block_sel, dq_bn), TMA=tma,
-              NUM_STAGES=1 if width > 256 or (ieee and width == 256) else 2 if one_warp
+              NUM_STAGES=3 if two_warps else 1 if width > 256 or (ieee and width == 256) else 2 if one_warp
               else 3 if tma and width <= 256 else 2)
+    kv_stages = 1
     if ieee or width > 384:
         kv_bn, rows = 32, min(DKDV_ROWS, 32)
+    elif bdk2 and width <= 320:
+        # The paper's 192 / 128 as two column tiles: 64-token tiles, 32 rows, 2 stages (H200, 16k, the whole
+        # selection backward: 11.5 ms against 16.1 with 32-token tiles, 64 rows and 1 stage; 12.2 with 1 stage)
+        kv_bn, rows, kv_stages = 64, 32, 2
     elif width > 256:
         kv_bn, rows = 32, DKDV_ROWS
     else:
         kv_bn, rows = 64, DKDV_ROWS
     kv_bn = min(max(16, _np2(block_sel)), DKDV_MAX_BLOCK_N, kv_bn)
     bg = min(_np2(G), rows)
-    dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DV=bdv, NUM_STAGES=1)
+    dkdv = dict(BG=bg, QT=max(1, rows // bg), BLOCK_N=kv_bn, BLOCK_DK=bdk, BLOCK_DK2=bdk2, BLOCK_DV=bdv,
+                NUM_STAGES=kv_stages)
     n_sub = triton.cdiv(block_sel, kv_bn)
     red = dict(BLOCK_N=min(REDUCE_BLOCK_N, kv_bn), BLOCK_D=REDUCE_BLOCK_D)
     if on_gpu(device):
-        dq.update(num_warps=8 if width > 256 or ieee else 1 if one_warp else 4, num_stages=dq["NUM_STAGES"])
+        dq.update(num_warps=2 if two_warps else 8 if width > 256 or ieee else 1 if one_warp else 4,
+                  num_stages=dq["NUM_STAGES"])
         dkdv.update(num_warps=4, num_stages=dkdv["NUM_STAGES"])
         red.update(num_warps=4)
     chunk = max(1, CHUNK_ROWS // max(G, 1))  # query tokens per work item
@@ -119,8 +131,23 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _store_dq(dq, DQ, DQ2, b, t, heads, rd, gd_ok, sm_scale, sdqb, sdqt, sdqh, sdqd, s2b, s2t, s2h, s2d, t2_lo, t2_hi,
+              ACCUMULATE: tl.constexpr):
+    """Scale dq [BLOCK_G, D] (columns rd) and store it, adding what DQ (and DQ2 for tokens [t2_lo, t2_hi))
+    hold in fp32 when ACCUMULATE."""
+    dq_ptr = DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rd[None, :] * sdqd
+    dq = dq * sm_scale
+    if ACCUMULATE:
+        dq += tl.load(dq_ptr, mask=gd_ok, other=0.0).to(tl.float32)
+        if (t >= t2_lo) & (t < t2_hi):
+            dq += tl.load(DQ2 + b * s2b + (t - t2_lo) * s2t + heads[:, None] * s2h + rd[None, :] * s2d,
+                          mask=gd_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=gd_ok)
+
+
+@triton.jit
 def _sel_bwd_dq_kernel(
-    Q, K, V, KD, VD, IDX, SS, O, DO, LSE, DELTA, DQ, DQ2,
+    Q, K, V, KD, VD, KD2, IDX, SS, O, DO, LSE, DELTA, DQ, DQ2,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -134,10 +161,12 @@ def _sel_bwd_dq_kernel(
     Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale, q_off,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False, BLOCK_DK2: tl.constexpr = 0,
 ):
     # ACCUMULATE: DQ holds the other branches' dq; add this branch's to it in fp32 (one rounding, no extra pass).
     # DQ2 holds more of them for tokens [t2_lo, t2_hi) (row t - t2_lo), added the same way.
+    # BLOCK_DK2 > 0: q, K and dq have a second column tile [BLOCK_DK, BLOCK_DK + BLOCK_DK2) (split_dim).
+    SPLIT: tl.constexpr = BLOCK_DK2 > 0
     t = tl.program_id(0).to(tl.int64)
     b, h = bh_program(1, Hkv)
     g0 = tl.program_id(2) * BLOCK_G
@@ -156,6 +185,12 @@ def _sel_bwd_dq_kernel(
 
     q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
                 mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
+    if SPLIT:
+        rdk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk2_ok = rdk2 < Dk
+        q2 = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk2[None, :] * sqd,
+                     mask=g_ok[:, None] & dk2_ok[None, :], other=0.0)
+        dq2 = tl.zeros([BLOCK_G, BLOCK_DK2], tl.float32)
     do = tl.load(DO + b * sdob + t * sdot + heads[:, None] * sdoh + rdv[None, :] * sdod,
                  mask=g_ok[:, None] & dv_ok[None, :], other=0.0)
     o = tl.load(O + b * sob + t * sot + heads[:, None] * soh + rdv[None, :] * sod,
@@ -183,25 +218,31 @@ def _sel_bwd_dq_kernel(
             row0 = (start + j * block_sel + c).to(tl.int32)
             kb = tl.reshape(KD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DK])
             vb = tl.reshape(VD.load([b.to(tl.int32), row0, h.to(tl.int32), 0]), [BLOCK_N, BLOCK_DV])
+            if SPLIT:
+                kb2 = tl.reshape(KD2.load([b.to(tl.int32), row0, h.to(tl.int32), BLOCK_DK]), [BLOCK_N, BLOCK_DK2])
         else:
             kb = tl.load(k_base + tok[:, None] * skt + rdk[None, :] * skd,
                          mask=keep[:, None] & dk_ok[None, :], other=0.0)
             vb = tl.load(v_base + tok[:, None] * svt + rdv[None, :] * svd,
                          mask=keep[:, None] & dv_ok[None, :], other=0.0)
+            if SPLIT:
+                kb2 = tl.load(k_base + tok[:, None] * skt + rdk2[None, :] * skd,
+                              mask=keep[:, None] & dk2_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(kb), IEEE)
+        if SPLIT:
+            s += _dot(q2, tl.trans(kb2), IEEE)
         dp = _dot(do, tl.trans(vb), IEEE)
         p = tl.where(row_ok[:, None] & keep[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds, kb, IEEE)
+        if SPLIT:
+            dq2 += _dot(ds, kb2, IEEE)
 
-    dq_ptr = DQ + b * sdqb + t * sdqt + heads[:, None] * sdqh + rdk[None, :] * sdqd
-    dq = dq * sm_scale
-    if ACCUMULATE:
-        dq += tl.load(dq_ptr, mask=g_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
-        if (t >= t2_lo) & (t < t2_hi):
-            dq += tl.load(DQ2 + b * s2b + (t - t2_lo) * s2t + heads[:, None] * s2h + rdk[None, :] * s2d,
-                          mask=g_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=g_ok[:, None] & dk_ok[None, :])
+    _store_dq(dq, DQ, DQ2, b, t, heads, rdk, g_ok[:, None] & dk_ok[None, :], sm_scale, sdqb, sdqt, sdqh, sdqd,
+              s2b, s2t, s2h, s2d, t2_lo, t2_hi, ACCUMULATE)
+    if SPLIT:
+        _store_dq(dq2, DQ, DQ2, b, t, heads, rdk2, g_ok[:, None] & dk2_ok[None, :], sm_scale, sdqb, sdqt, sdqh,
+                  sdqd, s2b, s2t, s2h, s2d, t2_lo, t2_hi, ACCUMULATE)
 
 
 @triton.jit
@@ -218,8 +259,10 @@ def _sel_bwd_dkdv_kernel(
     Hkv, G, Dk, Dv, qk_scale, sm_scale, q_off,
     BG: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
-    N_FIELDS: tl.constexpr,
+    N_FIELDS: tl.constexpr, BLOCK_DK2: tl.constexpr = 0,
 ):
+    # BLOCK_DK2 > 0: q, K and dK have a second column tile [BLOCK_DK, BLOCK_DK + BLOCK_DK2) (split_dim).
+    SPLIT: tl.constexpr = BLOCK_DK2 > 0
     ROWS: tl.constexpr = BG * QT
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -232,6 +275,9 @@ def _sel_bwd_dkdv_kernel(
     rdv = tl.arange(0, BLOCK_DV)
     dk_ok = rdk < Dk
     dv_ok = rdv < Dv
+    if SPLIT:
+        rdk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk2_ok = rdk2 < Dk
     for w in range(pid, n_work, n_prog):
         item = ITEMS + (w // N_SUB) * N_FIELDS  # w is int64 (n_work, its bound, is)
         c = (w % N_SUB) * BLOCK_N
@@ -251,6 +297,10 @@ def _sel_bwd_dkdv_kernel(
                      mask=kin[:, None] & dv_ok[None, :], other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        if SPLIT:
+            kb2 = tl.load(K + b * skb + ktok[:, None] * skt + h * skh + rdk2[None, :] * skd,
+                          mask=kin[:, None] & dk2_ok[None, :], other=0.0)
+            dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], tl.float32)
         for g0 in range(0, G, BG):
             rg = g0 + rgl
             heads = h * G + rg
@@ -268,11 +318,17 @@ def _sel_bwd_dkdv_kernel(
                 lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
                 valid = kin[:, None] & row_ok[None, :] & (ktok[:, None] <= tq[None, :] + q_off)
                 st = _dot(kb, tl.trans(qr), IEEE)  # [BLOCK_N, ROWS]
+                if SPLIT:
+                    qr2 = tl.load(Q + b * sqb + tq[:, None] * sqt + heads[:, None] * sqh + rdk2[None, :] * sqd,
+                                  mask=row_ok[:, None] & dk2_ok[None, :], other=0.0)
+                    st += _dot(kb2, tl.trans(qr2), IEEE)
                 pt = tl.where(valid, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
                 dv += _dot(pt, dor, IEEE)
                 dpt = _dot(vb, tl.trans(dor), IEEE)
                 dst = pt * (dpt - delta[None, :])
                 dk += _dot(dst, qr, IEEE)
+                if SPLIT:
+                    dk2 += _dot(dst, qr2, IEEE)
         dk = dk * sm_scale
         # one chunk: write dK/dV; several: an fp32 partial [ls_pad, Dk + Dv] for the reduce kernel
         direct = part < 0
@@ -283,6 +339,11 @@ def _sel_bwd_dkdv_kernel(
         p_base = PART + tl.maximum(part, 0) * spp + (c + rn)[:, None] * spn
         tl.store(p_base + rdk[None, :], dk, mask=(part >= 0) & dk_ok[None, :])
         tl.store(p_base + Dk + rdv[None, :], dv, mask=(part >= 0) & dv_ok[None, :])
+        if SPLIT:
+            dk2 = dk2 * sm_scale
+            tl.store(DK + b * sdkb + ktok[:, None] * sdkt + h * sdkh + rdk2[None, :] * sdkd,
+                     dk2.to(DK.dtype.element_ty), mask=direct & kin[:, None] & dk2_ok[None, :])
+            tl.store(p_base + rdk2[None, :], dk2, mask=(part >= 0) & dk2_ok[None, :])
 
 
 @triton.jit
@@ -378,8 +439,9 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
     dqc = cfg["dq"]
     kd, vd = tma.kv_descriptors(dqc.get("TMA", False), k, v, dqc["BLOCK_N"], dqc["BLOCK_DK"], dqc["BLOCK_DV"],
                                 "sel_dq")
+    kd2 = tma.tail_descriptor(dqc.get("TMA", False), k, dqc["BLOCK_N"], dqc.get("BLOCK_DK2", 0), "sel_dq")
     dq_launch = (_sel_bwd_dq_kernel, (T, B * Hkv, triton.cdiv(G, dqc["BLOCK_G"])), (
-        q, k, v, kd, vd, indices, seq_start, o, do, lse, delta, dq, dq2,
+        q, k, v, kd, vd, kd2, indices, seq_start, o, do, lse, delta, dq, dq2,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale, q_offset,

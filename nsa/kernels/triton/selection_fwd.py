@@ -33,7 +33,7 @@ import triton.language as tl
 from ..device import device_capability
 from . import tma
 from .combine import _gates, _segment_off
-from .common import bh_program, load_tile, pv_dot, qk_dot, softmax_step
+from .common import bh_program, load_tile, pv_dot, qk_dot, softmax_step, split_dim
 
 LOG2E = 1.4426950408889634
 
@@ -61,7 +61,7 @@ def _combine_row(o, GT, A, A2, W, OUT, b, t, heads, rd, g_ok, gd_ok, a_lo, a_hi,
 
 @triton.jit
 def _sel_fwd_kernel(
-    Q, K, V, KD, VD, IDX, SS, O, LSE,
+    Q, K, V, KD, VD, KD2, IDX, SS, O, LSE,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -75,7 +75,11 @@ def _sel_fwd_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
     EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False, COMBINE: tl.constexpr = False,
+    BLOCK_DK2: tl.constexpr = 0, EVEN_DK2: tl.constexpr = True,
 ):
+    # BLOCK_DK2 > 0: q and K have a second column tile [BLOCK_DK, BLOCK_DK + BLOCK_DK2) (split_dim), its own
+    # dot added to the logits; KD2 is its TMA descriptor.
+    SPLIT: tl.constexpr = BLOCK_DK2 > 0
     b, h = bh_program(1, Hkv)
     g0 = tl.program_id(2) * BLOCK_G
 
@@ -89,6 +93,10 @@ def _sel_fwd_kernel(
     heads = (h * G + rg).to(tl.int64)
     k_base = K + b * skb + h * skh + rdk[None, :] * skd
     v_base = V + b * svb + h * svh + rdv[None, :] * svd
+    if SPLIT:
+        rdk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk2_ok = rdk2 < Dk
+        k2_base = K + b * skb + h * skh + rdk2[None, :] * skd
 
     for tt in range(TOKENS):
         t = (tl.program_id(0) * TOKENS + tt).to(tl.int64)
@@ -97,6 +105,9 @@ def _sel_fwd_kernel(
             pos = t + q_off - start  # q_off: the stream position of row 0 (K/V rows are stream positions)
             q = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk[None, :] * sqd,
                         mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
+            if SPLIT:
+                q2 = tl.load(Q + b * sqb + t * sqt + heads[:, None] * sqh + rdk2[None, :] * sqd,
+                             mask=g_ok[:, None] & dk2_ok[None, :], other=0.0)
             idx_base = IDX + b * sib + t * sit + h * sih
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -112,6 +123,10 @@ def _sel_fwd_kernel(
                 kb = load_tile(KD, k_base + tok[:, None] * skt, b, row0, h, keep, dk_ok, BLOCK_N, BLOCK_DK, TMA,
                                EVEN_DK)
                 s = qk_dot(q, kb, IEEE)
+                if SPLIT:
+                    kb2 = load_tile(KD2, k2_base + tok[:, None] * skt, b, row0, h, keep, dk2_ok, BLOCK_N, BLOCK_DK2,
+                                    TMA, EVEN_DK2, BLOCK_DK)
+                    s += qk_dot(q2, kb2, IEEE)
                 s = tl.where(keep[None, :], s * qk_scale, float("-inf"))
                 p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, True)
                 # V after the first dot: K and V tiles are not live at once
@@ -144,19 +159,28 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
     fp32 with more than 16 heads per group (64-row q tiles) needs 180-213 KB of shared memory per block in
     64-token tiles, past the A100's 163 KB, and at D=128 ptxas keeps 32 registers and spills 32 KB with 4
     warps; 32-token tiles with 8 warps need 57-140 KB and spill at most 820 bytes for D = 64-256
-    (bench/triton_compile_check.py --arch 80; chosen by compile resources, not yet timed on an A100)."""
-    wide = max(Dk, Dv) > 128
-    one_warp = tma and not wide and G <= 16 and dtype != torch.float32
+    (bench/triton_compile_check.py --arch 80; chosen by compile resources, not yet timed on an A100).
+
+    Dk that is not a power of two runs as two column tiles (split_dim: 192 as 128 + 64). The paper's
+    Dk=192 / Dv=128 with TMA copies: one warp, 32-token tiles, 2 stages (H200, 16k, this kernel alone: 4.08
+    ms against 4.23-4.54 with 16-token tiles, 4.33 with two warps, 4.61 with four and 64-token tiles; as
+    one 256-column tile it took 6.05 ms at best and 7.88 with the 8 warps it had before)."""
+    split = split_dim(Dk)[1] > 0
+    dk_main, dk_tail = split_dim(Dk)
+    width = dk_main + dk_tail + max(16, _np2(Dv))
+    wide = width > 256
+    one_warp = tma and width <= 320 and G <= 16 and dtype != torch.float32
     table = {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
-        "BLOCK_N": min(32 if combine else 16, max(16, _np2(block_sel))) if one_warp
+        "BLOCK_N": min(32 if combine or split else 16, max(16, _np2(block_sel))) if one_warp
         else min(max(16, _np2(block_sel)), max_block_n),
-        "BLOCK_DK": max(16, _np2(Dk)),
+        "BLOCK_DK": dk_main,
+        "BLOCK_DK2": dk_tail,
         "BLOCK_DV": max(16, _np2(Dv)),
         "TMA": tma,
         "TOKENS": 1 if wide or tma else 2,
-        "STAGES": 2 if wide else 3,
-        "num_warps": 8 if wide else 1 if one_warp else 4,
+        "STAGES": 2 if wide or split else 3,
+        "num_warps": 1 if one_warp else 8 if wide else 4,
     }
     if capability is not None and capability[0] < 9 and dtype == torch.float32 and table["BLOCK_G"] > 16:
         table.update(BLOCK_N=min(table["BLOCK_N"], 32), num_warps=8)
@@ -198,11 +222,13 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
         meta.pop("num_warps", None)
     n = indices.shape[3]
     meta["N_SUB"] = triton.cdiv(block_sel, meta["BLOCK_N"])
-    meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] == Dk, meta["BLOCK_DV"] == Dv
+    meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] <= Dk, meta["BLOCK_DV"] == Dv
+    meta["EVEN_DK2"] = meta["BLOCK_DK"] + meta["BLOCK_DK2"] == Dk
     grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))
     kd, vd = tma.kv_descriptors(meta["TMA"], k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"], "sel_fwd")
+    kd2 = tma.tail_descriptor(meta["TMA"], k, meta["BLOCK_N"], meta["BLOCK_DK2"], "sel_fwd")
     _sel_fwd_kernel[grid](
-        q, k, v, kd, vd, indices, seq_start, o, lse,
+        q, k, v, kd, vd, kd2, indices, seq_start, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *lse.stride(),
         T, Hkv, G, Dk, Dv, n, block_sel, scale * LOG2E, q_offset, *comb_args,
         IEEE=q.dtype == torch.float32, COMBINE=combine is not None, **meta,

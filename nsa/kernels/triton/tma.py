@@ -74,4 +74,10 @@ def kv_descriptors(use: bool, k: torch.Tensor, v: torch.Tensor, block_n: int, bl
     return tile_descriptor(k, block_n, block_dk, kernel), tile_descriptor(v, block_n, block_dv, kernel)
 
 
-__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "kv_descriptors", "USED"]
+def tail_descriptor(use: bool, k: torch.Tensor, block_n: int, block_dk2: int, kernel: str):
+    """The K argument of a kernel's second column tile (common.split_dim): a descriptor of [block_n, block_dk2]
+    tiles when `use` and the tile exists, else k itself (ignored by the kernel)."""
+    return tile_descriptor(k, block_n, block_dk2, kernel) if use and block_dk2 else k
+
+
+__all__ = ["supported", "triton_has_descriptors", "tile_descriptor", "kv_descriptors", "tail_descriptor", "USED"]

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..device import device_capability
 from . import tma
-from .common import bh_program
+from .common import bh_program, qk_dot, split_dim
 
 LOG2E = 1.4426950408889634
 MAX_KEEP = 64
@@ -95,7 +95,7 @@ def _shift_right(x, shift_m, SPLIT: tl.constexpr):
 
 @triton.jit
 def _topn_kernel(
-    Q, KC, QD, KCD, LSE, SS, SC0, IDX,
+    Q, KC, QD, KCD, QD2, KCD2, LSE, SS, SC0, IDX,
     sqb, sqt, sqh, sqd,
     skb, skn, skh, skd,
     slb, slt, slh,
@@ -109,9 +109,12 @@ def _topn_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_J: tl.constexpr,
     KEEP: tl.constexpr, HEAD_STAGES: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     SHIFT_TAIL: tl.constexpr, TMA_Q: tl.constexpr = False, TMA_KC: tl.constexpr = False,
-    SHIFT_BF16: tl.constexpr = True,
+    SHIFT_BF16: tl.constexpr = True, BLOCK_D2: tl.constexpr = 0, EVEN_D2: tl.constexpr = True,
 ):
-    # KEEP: slots of the kept list (n_sel of them live)
+    # KEEP: slots of the kept list (n_sel of them live). BLOCK_D2 > 0: q and the compressed keys have a second
+    # column tile [BLOCK_D, BLOCK_D + BLOCK_D2) (common.split_dim), its dot added to the logits; QD2 / KCD2
+    # are its TMA descriptors.
+    SPLIT: tl.constexpr = BLOCK_D2 > 0
     DEAD: tl.constexpr = 9223372036854775807  # above every key (the largest is +inf bits << 32)
     BLOCK_C: tl.constexpr = BLOCK_J * R_PAD
     BLOCK_TAIL: tl.constexpr = BLOCK_J * C_PAD
@@ -133,6 +136,11 @@ def _topn_kernel(
     kc_base = KC + b * skb + h * skh + rd[None, :] * skd
     q_base = Q + b * sqb + t_tok64[:, None] * sqt + (h * G) * sqh + rd[None, :] * sqd
     lse_base = LSE + b * slb + t_tok64 * slt + (h * G) * slh
+    if SPLIT:
+        rd2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        d2_ok = rd2 < D
+        kc2_base = KC + b * skb + h * skh + rd2[None, :] * skd
+        q2_base = Q + b * sqb + t_tok64[:, None] * sqt + (h * G) * sqh + rd2[None, :] * sqd
 
     # Compressed blocks of a chunk: kk = jj * R_PAD + u is block (j0 + jj) * R + u of the sequence.
     kk = tl.arange(0, BLOCK_C)
@@ -171,41 +179,54 @@ def _topn_kernel(
                 if TMA_KC:  # R_PAD == R: the chunk's blocks are consecutive slots. Slots past i_hi hold later
                     # blocks (or zeros past the end), whose probabilities the causal mask below zeroes.
                     kc = tl.reshape(KCD.load([b.to(tl.int32), cur + j0 * R, h.to(tl.int32), 0]), [BLOCK_C, BLOCK_D])
+                    if SPLIT:
+                        kc2 = tl.reshape(KCD2.load([b.to(tl.int32), cur + j0 * R, h.to(tl.int32), BLOCK_D]),
+                                         [BLOCK_C, BLOCK_D2])
                 else:
                     kc = _load_blocks(kc_base, cur, i_loc, i_hi, skn, u_c < R, d_ok, EVEN_D)
+                    if SPLIT:
+                        kc2 = _load_blocks(kc2_base, cur, i_loc, i_hi, skn, u_c < R, d2_ok, EVEN_D2)
                 i_tail = (j0 + jj_e) * R - C + c_e
                 tail_ok = (c_e < C) & (i_tail >= 0)
                 if C > 0 and not SHIFT_TAIL:
                     kt = _load_blocks(kc_base, cur, i_tail, i_hi, skn, tail_ok, d_ok, EVEN_D)
+                    if SPLIT:
+                        kt2 = _load_blocks(kc2_base, cur, i_tail, i_hi, skn, tail_ok, d2_ok, EVEN_D2)
                 # The sums over heads, in head order: the same adds for every block (bitwise-equal ties).
                 p = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
                 pt = tl.zeros([BLOCK_T, BLOCK_TAIL], tl.float32)
                 # Pointers step one head at a time: a head stride times g may pass 2**31 (a transposed q).
                 q_ptr, lse_ptr = q_base, lse_base
+                if SPLIT:
+                    q2_ptr = q2_base
                 for g in tl.range(0, G, num_stages=HEAD_STAGES):
                     if TMA_Q:  # one copy into shared memory: no [BLOCK_T, BLOCK_D] pointer tile in registers
                         qg = tl.reshape(QD.load([b.to(tl.int32), tile * BLOCK_T, (h * G + g).to(tl.int32), 0]),
                                         [BLOCK_T, BLOCK_D])
-                    elif EVEN_D:  # no column mask: vectorized loads
-                        qg = tl.load(q_ptr, mask=tok_ok[:, None], other=0.0)
+                        if SPLIT:
+                            qg2 = tl.reshape(QD2.load([b.to(tl.int32), tile * BLOCK_T, (h * G + g).to(tl.int32),
+                                                       BLOCK_D]), [BLOCK_T, BLOCK_D2])
                     else:
-                        qg = tl.load(q_ptr, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-                    lse_g = tl.load(lse_ptr, mask=tok_ok, other=float("-inf"))
-                    if not TMA_Q:
+                        if EVEN_D:  # no column mask: vectorized loads
+                            qg = tl.load(q_ptr, mask=tok_ok[:, None], other=0.0)
+                        else:
+                            qg = tl.load(q_ptr, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
                         q_ptr += sqh
+                        if SPLIT:
+                            qg2 = tl.load(q2_ptr, mask=tok_ok[:, None] & d2_ok[None, :], other=0.0)
+                            q2_ptr += sqh
+                    lse_g = tl.load(lse_ptr, mask=tok_ok, other=float("-inf"))
                     lse_ptr += slh
                     # Tokens outside the pass, or seeing nothing, get +inf: probabilities 0 without a mask.
                     lse2p = tl.where(in_pass & (lse_g > float("-inf")), lse_g * 1.4426950408889634, float("inf"))
-                    if IEEE:
-                        s = tl.dot(qg, tl.trans(kc), input_precision="ieee")
-                    else:
-                        s = tl.dot(qg, tl.trans(kc))
+                    s = qk_dot(qg, kc, IEEE)
+                    if SPLIT:
+                        s += qk_dot(qg2, kc2, IEEE)
                     p += tl.exp2(s * qk_scale - lse2p[:, None])
                     if C > 0 and not SHIFT_TAIL:
-                        if IEEE:
-                            st = tl.dot(qg, tl.trans(kt), input_precision="ieee")
-                        else:
-                            st = tl.dot(qg, tl.trans(kt))
+                        st = qk_dot(qg, kt, IEEE)
+                        if SPLIT:
+                            st += qk_dot(qg2, kt2, IEEE)
                         pt += tl.exp2(st * qk_scale - lse2p[:, None])
                 if (j0 + BLOCK_J) * R - 1 > i_full:  # the chunk reaches past some token's last block
                     p = tl.where((i_loc[None, :] <= last[:, None]) & (u_c < R)[None, :], p, 0.0)
@@ -300,8 +321,10 @@ def tile_config(D: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     tiles."""
     if dtype == torch.float32:
         return {"BLOCK_T": 32, "CMP_PER_CHUNK": 32, "HEAD_STAGES": 2, "num_warps": 4, "SHIFT_TAIL": False}
-    if D > 128:  # D=192 (padded to 256), 64k: 15.5 ms; 64 x 128 x 3 stages 16.3 ms; 64 x 64 24.5 ms
+    if D > 128 and not split_dim(D)[1]:  # D=192 as one 256-column tile, 64k: 15.5 ms; 64 x 128 x 3 stages 16.3
         return {"BLOCK_T": 64, "CMP_PER_CHUNK": 256, "HEAD_STAGES": 2, "num_warps": 8, "SHIFT_TAIL": False}
+    # D=192 as 128 + 64 columns with TMA copies (H200, 64k): 9.8 ms with this entry; 10.1 with 2 stages, 13.2
+    # with 64 blocks per chunk, 21.0 with 8 warps, 23.4-29.0 with 256 blocks per chunk and 8 warps
     return {"BLOCK_T": 64, "CMP_PER_CHUNK": 128, "HEAD_STAGES": 3, "num_warps": 4, "SHIFT_TAIL": True}
 
 
@@ -346,23 +369,26 @@ def topn_triton(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, config: dict | 
     # The shift's dot needs 16 rows and columns.
     shift = meta.pop("SHIFT_TAIL", False) and shifts_tail(cfg) and block_j >= 16 and meta["BLOCK_T"] >= 16
     n_tiles = triton.cdiv(T, meta["BLOCK_T"])
-    block_d = max(16, _np2(Dk))
+    block_d, block_d2 = split_dim(Dk)  # the paper's 192 as 128 + 64 columns
     # TMA copies of the q tiles (and of the chunk's compressed keys when its blocks are consecutive slots):
     # no pointer tiles in registers (ncu, H200, 64k: the pointer form used 255 registers and spilled).
-    even = block_d == Dk and q.dtype != torch.float32
+    even = block_d + block_d2 == Dk and q.dtype != torch.float32
     use_q = meta.pop("TMA_Q", None)
     use_q = even and tma.supported(q) if use_q is None else use_q
     use_kc = meta.pop("TMA_KC", None)
     use_kc = use_q and r_pad == r and tma.supported(k_cmp) if use_kc is None else use_kc
     qd = tma.tile_descriptor(q, meta["BLOCK_T"], block_d, "topn") if use_q else q
     kcd = tma.tile_descriptor(k_cmp, block_j * r_pad, block_d, "topn") if use_kc else k_cmp
+    qd2 = tma.tail_descriptor(use_q, q, meta["BLOCK_T"], block_d2, "topn_tail")
+    kcd2 = tma.tail_descriptor(use_kc, k_cmp, block_j * r_pad, block_d2, "topn_tail")
     _topn_kernel[(n_tiles, B * Hkv)](
-        q, k_cmp, qd, kcd, lse, seq_start, cmp_slot0, idx,
+        q, k_cmp, qd, kcd, qd2, kcd2, lse, seq_start, cmp_slot0, idx,
         *q.stride(), *k_cmp.stride(), *lse.stride(), *seq_start.stride(), *cmp_slot0.stride(), *idx.stride(),
         T, Hkv, G, Dk, cfg.n_sel, cfg.n_init, cfg.n_local, float(scale) * LOG2E, n_tiles, q_offset,
         R=r, C=c, C_PAD=c_pad, STRIDE=cfg.stride_cmp, BLOCK_CMP=cfg.block_cmp, BLOCK_SEL=cfg.block_sel,
         BLOCK_D=block_d, R_PAD=r_pad, BLOCK_J=block_j, KEEP=max(2, _np2(cfg.n_sel)),
-        EVEN_D=_np2(Dk) == Dk and Dk >= 16, IEEE=q.dtype == torch.float32, SHIFT_TAIL=shift,
+        EVEN_D=block_d <= Dk, BLOCK_D2=block_d2, EVEN_D2=block_d + block_d2 == Dk,
+        IEEE=q.dtype == torch.float32, SHIFT_TAIL=shift,
         TMA_Q=use_q, TMA_KC=use_kc, SHIFT_BF16=not _interpreted(), num_warps=warps, **meta,
     )
     return idx

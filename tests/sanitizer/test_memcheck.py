@@ -31,12 +31,13 @@ class Sweep:
     # the fused pipeline's sweep keeps it (its 4k-token cases allocate too often to run that way in time).
     no_caching_allocator: bool = True
     # One plain run first compiles the Triton kernels into Triton's cache at full speed (the decode sweep's
-    # compiles under memcheck alone outran its time limit).
+    # compiles under memcheck alone outran its time limit, and so did the fused pipeline's on a cold cache
+    # once its kernels had two column tiles for Dk=192).
     warm_up: bool = True
 
 
 SWEEPS = {
-    "nsa": Sweep("nsa_edge_sweep.py", 280, no_caching_allocator=False, warm_up=False),
+    "nsa": Sweep("nsa_edge_sweep.py", 360, no_caching_allocator=False),
     "fa2": Sweep("fa2_edge_sweep.py", 150, warm_up=False),
     "triton_sel": Sweep("triton_sel_edge_sweep.py", 110, warm_up=False),
     "decode": Sweep("decode_edge_sweep.py", 200),

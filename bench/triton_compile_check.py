@@ -217,8 +217,6 @@ def run_family(family: str, c: Case) -> str | None:
     elif family in ("window_fwd", "window_bwd"):
         from nsa.branches.sliding import triton as win
 
-        if c.Dk != c.Dv:
-            return "Dk != Dv: FA-2 serves the window"
         ok, why = win.supported(q, k, v)
         if not ok:
             return why

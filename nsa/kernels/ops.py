@@ -229,8 +229,8 @@ def window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tu
 
 @window_fwd.register_fake
 def _window_fwd_fake(q, k, v, window, scale):
-    B, T, Hq, D = q.shape
-    return q.new_empty(B, T, Hq, D), q.new_empty(B, Hq, T, dtype=torch.float32)
+    B, T, Hq, _ = q.shape
+    return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("nsa::window_bwd", mutates_args=())
@@ -243,9 +243,7 @@ def window_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
 
 @window_bwd.register_fake
 def _window_bwd_fake(do, q, k, v, o, lse, window, scale):
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    return q.new_empty(B, T, Hq, D), k.new_empty(B, T, Hkv, D), v.new_empty(B, T, Hkv, D)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _window_setup(ctx, inputs, output):

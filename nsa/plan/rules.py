@@ -362,9 +362,9 @@ def dense_core_guard(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) 
 
 def window_triton_guard(toggles: Toggles, q, kw, vw) -> Failure | None:
     """Why the dense core's sliding branch does not run on NSA's Triton kernels, or None where it does: on by
-    default where they run (Hopper TMA copies, power-of-two head dims); elsewhere its FA-2 provider serves
-    both directions, as it would without them (not a fallback: the win step keeps that provider and its
-    reason). NSA_TRITON_WINDOW=0 turns it off."""
+    default where they run (Hopper TMA copies, the head dims window.supported takes); elsewhere its FA-2
+    provider serves both directions, as it would without them (not a fallback: the win step keeps that
+    provider and its reason). NSA_TRITON_WINDOW=0 turns it off."""
     if not toggles.triton_window:
         return Failure("disabled", "NSA_TRITON_WINDOW=0")
     from ..branches.sliding.triton import supported

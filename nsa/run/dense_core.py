@@ -25,7 +25,7 @@ torch.autograd.Function:
   large kernel while the host prepares the rest, instead of idling through the small steps' launches;
   in the backward, the selection's work plan and the tail tokens' torch backward (many small
   operations) are issued after the selection's dq kernel, for the same reason. It runs on NSA's Triton
-  window kernels where they serve (dense input, Hopper, Dk == Dv a power of two), else on its FA-2
+  window kernels where they serve (dense input, Hopper, the head dims they take), else on its FA-2
   provider (varlen over the sequences for packed input; zero-padded head dims and casts as planned).
 
 The selection, top-n and combine kernels read each token's sequence start (layout.seq_start_i32), so

@@ -77,6 +77,26 @@ def test_window_backward_matches_oracle(gen, descriptors, T, w, G, D, tiles):
         assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
 
 
+@pytest.mark.parametrize("Dk,Dv,tiles", [(48, 32, (16, 16)), (48, 16, (32, 16)), (96, 64, None)])
+def test_window_two_column_tiles_and_narrower_v(gen, descriptors, Dk, Dv, tiles):
+    """Dk as two column tiles (48 = 32 + 16, 96 = 64 + 32; the paper's 192 runs as 128 + 64) with Dv < Dk:
+    o, LSE and dq, dk, dv against the fp64 oracle."""
+    B, T, Hkv, G, w = 2, 70, 2, 2, 23
+    q = torch.randn(B, T, Hkv * G, Dk, generator=gen)
+    k = torch.randn(B, T, Hkv, Dk, generator=gen)
+    v = torch.randn(B, T, Hkv, Dv, generator=gen)
+    do = torch.randn(B, T, Hkv * G, Dv, generator=gen)
+    cfg = None if tiles is None else {"BM": tiles[0], "BN": tiles[1], "STAGES": 2}
+    o, lse = window.window_forward(q, k, v, w, 0.3, config=cfg)
+    got = window.window_backward(do, q, k, v, o, lse, w, 0.3, config=cfg)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want_o, want_lse = window_oracle(*leaves, w, 0.3)
+    assert o.shape == (B, T, Hkv * G, Dv)
+    assert (o.double() - want_o).abs().max() <= 2e-5 and (lse.double() - want_lse).abs().max() <= 2e-5
+    for name, a, b in zip("qkv", got, torch.autograd.grad(want_o, leaves, do.double())):
+        assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
+
+
 def test_window_forward_wide_head_config(gen, descriptors):
     """D > 128 takes its own tiles (32-key blocks, 2 stages)."""
     assert window.launch_config(256) == {"BM": 64, "BN": 32, "STAGES": 2, "num_warps": 4}
@@ -92,6 +112,9 @@ def test_supported_and_bad_window(gen, descriptors):
     assert window.supported(q, q[:, :, :1], q[:, :, :1])[0]
     ok, why = window.supported(torch.randn(1, 8, 2, 48), torch.randn(1, 8, 1, 48), torch.randn(1, 8, 1, 48))
     assert not ok and "head dims" in why
+    assert window.supported(*(torch.randn(1, 8, h, 192) for h in (2, 1)), torch.randn(1, 8, 1, 128))[0]
+    ok, why = window.supported(*(torch.randn(1, 8, h, 128) for h in (2, 1)), torch.randn(1, 8, 1, 96))
+    assert not ok and "head dims" in why  # Dv as one power-of-two tile only
     with pytest.raises(ValueError, match="window must be >= 1"):
         window.window_forward(q, q, q, 0, 1.0)
     with pytest.raises(ValueError, match="multiple of the key tile"):
@@ -129,12 +152,13 @@ CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_loc
 
 
 # One batch row (the kernels' batch strides: the oracle tests above; the core's: tests/cpu/test_pipeline_interp.py)
-@pytest.mark.parametrize("T,w", [(33, 12), (24, 64)])
-def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core, T, w):
+# Dk=96 / Dv=64: Dk as two column tiles (64 + 32) with a narrower V, as the paper's 192 / 128 runs.
+@pytest.mark.parametrize("T,w,Dk,Dv", [(33, 12, 64, 64), (24, 64, 64, 64), (33, 12, 96, 64)])
+def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core, T, w, Dk, Dv):
     """Output and every gradient equal the torch path's; the Triton window ran (its event) and the planner
     says so; NSA_TRITON_WINDOW=0 keeps the window on FA-2 with the same result."""
     cfg = NSAConfig(**{**CFG.__dict__, "window": w})
-    q, k, v, g = make_inputs(gen, 1, T, 4, 2, 64, 64, torch.float32, True)
+    q, k, v, g = make_inputs(gen, 1, T, 4, 2, Dk, Dv, torch.float32, True)
     want = nsa_attention(q, k, v, g, cfg, backend="torch")
     go = torch.randn(want.shape, generator=gen)
     want_grads = torch.autograd.grad(want, (q, k, v, g), go)

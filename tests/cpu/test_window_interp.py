@@ -97,6 +97,17 @@ def test_window_two_column_tiles_and_narrower_v(gen, descriptors, Dk, Dv, tiles)
         assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
 
 
+@pytest.mark.parametrize("d,tiles", [(16, (16, 0)), (24, (32, 0)), (40, (32, 16)), (48, (32, 16)), (80, (128, 0)),
+                                     (96, (64, 32)), (128, (128, 0)), (144, (256, 0)), (160, (256, 0)),
+                                     (192, (128, 64)), (256, (256, 0))])
+def test_split_dim_takes_tails_of_at_least_half_the_main_tile(d, tiles):
+    """Two column tiles only where the tail is at least half the main tile (narrower tails spilled in the
+    backward kernels); one padded tile elsewhere."""
+    from nsa.kernels.triton.common import split_dim
+
+    assert split_dim(d) == tiles
+
+
 def test_window_forward_wide_head_config(gen, descriptors):
     """D > 128 takes its own tiles (32-key blocks, 2 stages)."""
     assert window.launch_config(256) == {"BM": 64, "BN": 32, "STAGES": 2, "num_warps": 4}

@@ -83,7 +83,7 @@ def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, dev
     # 16k, the dq kernel alone with one 256-column tile: 6.95 ms against 11.03 with 8 warps, 64-token tiles
     # and 1 stage; 4 warps with 64-token tiles in 3 stages 6.96).
     one_warp = tma and not ieee and width <= 256 and G <= 16
-    two_warps = tma and not ieee and 256 < width <= 320 and G <= 16
+    two_warps = tma and not ieee and bdk2 and 256 < width <= 320 and G <= 16
     if one_warp or two_warps:
         dq_bn = min(dq_bn, 32)
     dq = dict(BLOCK_G=min(max(16, _np2(G)), dq_rows), BLOCK_N=dq_bn, BLOCK_DK=bdk, BLOCK_DK2=bdk2, BLOCK_DV=bdv,

@@ -165,11 +165,12 @@ def launch_config(G: int, Dk: int, Dv: int, block_sel: int, dtype, max_block_g: 
     Dk=192 / Dv=128 with TMA copies: one warp, 32-token tiles, 2 stages (H200, 16k, this kernel alone: 4.08
     ms against 4.23-4.54 with 16-token tiles, 4.33 with two warps, 4.61 with four and 64-token tiles; as
     one 256-column tile it took 6.05 ms at best and 7.88 with the 8 warps it had before)."""
-    split = split_dim(Dk)[1] > 0
     dk_main, dk_tail = split_dim(Dk)
+    split = dk_tail > 0
     width = dk_main + dk_tail + max(16, _np2(Dv))
     wide = width > 256
-    one_warp = tma and width <= 320 and G <= 16 and dtype != torch.float32
+    # one padded tile: up to 128 columns each (width <= 256); two column tiles: up to the paper's 192 / 128
+    one_warp = tma and (width <= 256 or split and width <= 320) and G <= 16 and dtype != torch.float32
     table = {
         "BLOCK_G": min(max(16, _np2(G)), max_block_g),
         "BLOCK_N": min(32 if combine or split else 16, max(16, _np2(block_sel))) if one_warp

@@ -3,14 +3,20 @@ as single graph nodes instead of entering Triton's launchers (docs/compile.md).
 
     torch.ops.nsa.sel_fwd(q, k, v, indices, seq_start, block_sel, scale) -> (o, lse)        selected attention
     torch.ops.nsa.sel_bwd(do, q, k, v, o, lse, indices, seq_start, block_sel, scale) -> (dq, dk, dv)
-    torch.ops.nsa.sel_combine_fwd(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win)
-        -> (out, o, lse)                                  selected attention with the gate combine in its epilogue
+    torch.ops.nsa.sel_combine_fwd(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, cmp_lo, cmp_tail,
+                                  o_win) -> (out, o, lse)  selected attention with the gate combine in its epilogue
     torch.ops.nsa.topn(q, k_cmp, lse, seq_start, cmp_slot0, block_cmp, stride_cmp, block_sel, n_sel, n_init,
                        n_local, scale) -> indices                                          fused score + top-n
     torch.ops.nsa.combine_fwd(gates, o_cmp, o_sel, o_win) -> out                            gate combine
-    torch.ops.nsa.combine_bwd(dout, gates, o_cmp, o_sel, o_win) -> (dgates, do_cmp, do_sel, do_win)
+    torch.ops.nsa.combine_bwd(dout, gates, o_cmp, cmp_lo, cmp_tail, o_sel, o_win)
+        -> (dgates, do_cmp, do_cmp_tail, do_sel, do_win)
     torch.ops.nsa.window_fwd(q, k, v, window, scale) -> (o, lse)                            sliding window
     torch.ops.nsa.window_bwd(do, q, k, v, o, lse, window, scale) -> (dq, dk, dv)
+
+o_cmp of the combining operators comes as two token segments (nsa.kernels.triton.combine.Segments): o_cmp holds
+tokens [cmp_lo, cmp_lo + len(o_cmp)), cmp_tail the tokens after them, every other token's o_cmp is 0; the whole
+o_cmp is (o_cmp, 0, an empty tail). The compressed branch folded by view gives its rows and its tail tokens so,
+and their gradients come back the same way (no copy joining them, none splitting their gradient).
 
 The forward operators carry their backward (register_autograd); every fake (meta) implementation gives the
 exact shapes, dtypes and (contiguous) strides of the kernels' outputs, none data-dependent. The launchers run
@@ -77,36 +83,38 @@ sel_fwd.register_autograd(_sel_backward, setup_context=_sel_setup)
 
 @torch.library.custom_op("nsa::sel_combine_fwd", mutates_args=())
 def sel_combine_fwd(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, seq_start: Tensor, block_sel: int,
-                    scale: float, gates: Tensor, o_cmp: Tensor, o_win: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, gates: Tensor, o_cmp: Tensor, cmp_lo: int, cmp_tail: Tensor,
+                    o_win: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     from .triton.combine import Segments
     from .triton.selection import sel_forward
 
-    return sel_forward(q, k, v, indices, seq_start, block_sel, scale, combine=(gates, Segments.whole(o_cmp), o_win))
+    return sel_forward(q, k, v, indices, seq_start, block_sel, scale,
+                       combine=(gates, Segments(o_cmp, cmp_lo, cmp_tail), o_win))
 
 
 @sel_combine_fwd.register_fake
-def _sel_combine_fwd_fake(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win):
+def _sel_combine_fwd_fake(q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, cmp_lo, cmp_tail, o_win):
     B, T, Hq, _ = q.shape
     Dv = v.shape[3]
     return q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, dtype=torch.float32)
 
 
 def _sel_combine_setup(ctx, inputs, output):
-    q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, o_win = inputs
+    q, k, v, indices, seq_start, block_sel, scale, gates, o_cmp, cmp_lo, cmp_tail, o_win = inputs
     _, o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win)
-    ctx.block_sel, ctx.scale = block_sel, scale
+    ctx.save_for_backward(q, k, v, o, lse, indices, seq_start, gates, o_cmp, cmp_tail, o_win)
+    ctx.block_sel, ctx.scale, ctx.cmp_lo = block_sel, scale, cmp_lo
     ctx.set_materialize_grads(False)  # o's gradient stays None when only out is used: no pass adding zeros
 
 
 def _sel_combine_backward(ctx, dout, do_sel, _dlse):
-    q, k, v, o, lse, indices, seq_start, gates, o_cmp, o_win = ctx.saved_tensors
+    q, k, v, o, lse, indices, seq_start, gates, o_cmp, cmp_tail, o_win = ctx.saved_tensors
     dout = torch.zeros_like(o) if dout is None else dout
-    dg, d_cmp, d_sel, d_win = combine_bwd(dout, gates, o_cmp, o, o_win)
+    dg, d_cmp, d_tail, d_sel, d_win = combine_bwd(dout, gates, o_cmp, ctx.cmp_lo, cmp_tail, o, o_win)
     if do_sel is not None:  # o_sel itself used downstream (the library returns only out)
         d_sel = d_sel + do_sel
     dq, dk, dv = sel_bwd(d_sel, q, k, v, o, lse, indices, seq_start, ctx.block_sel, ctx.scale)
-    return dq, dk, dv, None, None, None, None, dg, d_cmp, d_win
+    return dq, dk, dv, None, None, None, None, dg, d_cmp, None, d_tail, d_win
 
 
 sel_combine_fwd.register_autograd(_sel_combine_backward, setup_context=_sel_combine_setup)
@@ -128,13 +136,14 @@ def selected_attention(q, k, v, indices, seq_start, block_sel: int, scale: float
 
 
 def selected_attention_combined(q, k, v, indices, seq_start, block_sel: int, scale: float, gates, o_cmp,
-                                o_win) -> Tensor:
+                                o_win, cmp_lo: int = 0, cmp_tail: Tensor | None = None) -> Tensor:
     """out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win through one operator: the selection forward with the
     gate combine in its epilogue, as the dense core runs it in eager mode (differentiable in q, k, v, gates,
-    o_cmp, o_win)."""
+    o_cmp, cmp_tail, o_win). o_cmp is the whole branch output, or with cmp_tail its two segments (module doc)."""
     ss = seq_start.to(torch.int32)
+    tail = o_cmp[:, :0] if cmp_tail is None else cmp_tail.to(o_cmp.dtype)
     return torch.ops.nsa.sel_combine_fwd(q, k, v, _dedupe(indices), ss, int(block_sel), float(scale), gates,
-                                         o_cmp, o_win.contiguous())[0]
+                                         o_cmp, int(cmp_lo), tail, o_win.contiguous())[0]
 
 
 # --- fused score + top-n -------------------------------------------------------------------------------------
@@ -180,17 +189,18 @@ def _combine_fwd_fake(gates, o_cmp, o_sel, o_win):
 
 
 @torch.library.custom_op("nsa::combine_bwd", mutates_args=())
-def combine_bwd(dout: Tensor, gates: Tensor, o_cmp: Tensor, o_sel: Tensor,
-                o_win: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def combine_bwd(dout: Tensor, gates: Tensor, o_cmp: Tensor, cmp_lo: int, cmp_tail: Tensor, o_sel: Tensor,
+                o_win: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     from .triton.combine import Segments, combine_backward
 
-    dg, da, ds, dw = combine_backward(dout, gates, Segments.whole(o_cmp), o_sel, o_win)
-    return dg, da.main, ds, dw
+    dg, da, ds, dw = combine_backward(dout, gates, Segments(o_cmp, cmp_lo, cmp_tail), o_sel, o_win)
+    return dg, da.main, da.tail, ds, dw
 
 
 @combine_bwd.register_fake
-def _combine_bwd_fake(dout, gates, o_cmp, o_sel, o_win):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (gates, o_cmp, o_sel, o_win))
+def _combine_bwd_fake(dout, gates, o_cmp, cmp_lo, cmp_tail, o_sel, o_win):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for x in (gates, o_cmp, cmp_tail, o_sel, o_win))
 
 
 def _combine_setup(ctx, inputs, output):
@@ -198,7 +208,9 @@ def _combine_setup(ctx, inputs, output):
 
 
 def _combine_backward(ctx, dout):
-    return combine_bwd(dout, *ctx.saved_tensors)
+    gates, o_cmp, o_sel, o_win = ctx.saved_tensors
+    dg, da, _, ds, dw = combine_bwd(dout, gates, o_cmp, 0, o_cmp[:, :0], o_sel, o_win)
+    return dg, da, ds, dw
 
 
 combine_fwd.register_autograd(_combine_backward, setup_context=_combine_setup)

@@ -49,13 +49,11 @@ import torch
 
 from .. import telemetry
 from ..branches.combine import triton as combine_triton
-from ..branches.compressed.fa2 import rows_attention, tail_attention
+from ..branches.compressed.fa2 import rows_attention, tail_attention, view_fold_applies
 from ..branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_foldable, view_rows
 from ..branches.fa2_call import pad_last
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding import triton as sliding_triton
-
-MIN_VIEW_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
 
 
 def _keep_graph() -> bool:
@@ -71,11 +69,9 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 def view_fold(plan, q, v_cmp, cfg) -> bool:
     """Whether the compressed branch folds q by view (ViewCmp) rather than by the provider's copy (GraphCmp):
     dense input, kernels in q's dtype (no cast), Dk >= Dv (only V is padded), a q whose tokens can be viewed
-    as rows, at least MIN_VIEW_ROWS of them."""
+    as rows, at least MIN_VIEW_ROWS (nsa.branches.compressed.fa2) of them."""
     cmp_ctx, win_ctx = plan.cmp.impl[1], plan.core.impl[1]  # core: the FA-2 provider of the tail tokens
-    return (not cmp_ctx.packed and cmp_ctx.kernel_dtype == q.dtype == win_ctx.kernel_dtype
-            and q.shape[-1] >= v_cmp.shape[-1] and view_foldable(q)
-            and view_rows(q.shape[1], cfg)[1] >= MIN_VIEW_ROWS)
+    return view_fold_applies(cmp_ctx, q, v_cmp, cfg) and win_ctx.kernel_dtype == q.dtype and view_foldable(q)
 
 
 class ViewCmp:

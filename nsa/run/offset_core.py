@@ -32,13 +32,13 @@ import torch
 
 from .. import telemetry
 from ..branches.combine import triton as combine_triton
-from ..branches.compressed.fa2 import rows_attention, tail_attention
+from ..branches.compressed.fa2 import MIN_VIEW_ROWS, rows_attention, tail_attention
 from ..branches.compressed.fold import expand_kv, unfold_view_lse, unfold_view_o, view_foldable
 from ..branches.fa2_call import pad_last, prep
 from ..branches.selected import triton as selected_triton
 from ..branches.sliding import triton as sliding_triton
 from ..kernels.fa2.torch_cudnn import MIN_KEYS
-from .dense_core import MIN_VIEW_ROWS, _keep_graph, _leaf
+from .dense_core import _keep_graph, _leaf
 
 
 def cmp_parts(offset: int, Tq: int, cfg) -> tuple[int, int, int, int]:

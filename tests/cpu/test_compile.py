@@ -11,6 +11,8 @@ through Inductor.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -211,9 +213,35 @@ def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
     assert {"nsa.sel_combine_fwd", "nsa.topn"} <= ops_seen and "nsa.combine_fwd" not in ops_seen
     counts = backend_fakes.counts()
     assert counts[("core", "separate", "compile")] == 1  # recorded when traced, once
+    # the compressed branch on rows folded by view, as in the dense core: traced once, eager's two calls
+    assert {e["event"]: e["calls"] for e in telemetry.snapshot()["events"] if e["branch"] == "cmp"} == {"fold_view": 3}
     assert _served() == {"cmp": {"flash_attn": 3}, "topn": {"triton": 3}, "sel": {"triton": 3},
                          "win": {"flash_attn": 3}, "combine": {"triton": 3}, "core": {"dense_core": 2, "separate": 1}}
     assert telemetry.snapshot()["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("B,T,Dk,Dv,traced", [(1, 27, 16, 16, "fold_view"), (1, 30, 48, 32, "fold_view"),
+                                               (2, 30, 16, 16, "fold_view"), (1, 10, 16, 16, None)])
+def test_compiled_compressed_branch_folds_by_view(fused, gen, B, T, Dk, Dv, traced):
+    """Under compile the compressed branch of dense input runs on rows folded by view as the dense core does (no
+    tail: T=27; a tail and V narrower than K; two batch rows), its output handed to the combining operator as
+    two segments, with eager mode's outputs and gradients. T=10 has one row only (below MIN_VIEW_ROWS) and keeps
+    the copying fold: the traced graph counts no fold event."""
+    args = make_inputs(gen, B, T, 4, 2, Dk, Dv, torch.float32, requires_grad=True)
+
+    def fn(q, k, v, g):
+        return nsa_attention(q, k, v, g, CFG)
+
+    compiled, graphs = _compiled(fn)
+    fn(*args)
+    telemetry.reset()
+    _same(fn, compiled, args, tol=2e-5)
+    folds = {e["event"]: e["calls"] for e in telemetry.snapshot()["events"] if e["branch"] == "cmp"}
+    want = collections.Counter({"fold_view" if T >= 27 else "fold_copy": 1})  # eager: the dense core's
+    if traced:
+        want[traced] += 1
+    assert folds == want, folds
+    assert graphs.frame_count == 1 and telemetry.snapshot()["fallbacks"] == 0
 
 
 def test_fused_explain_no_graph_break(fused, gen):
@@ -245,10 +273,18 @@ def test_trace_constant_sets_dynamos_mark():
     assert trace_constant(lambda: 0)._dynamo_marked_constant is True
 
 
-@pytest.mark.parametrize("name", ["sel_fwd", "sel_combine_fwd", "topn", "combine_fwd", "window_fwd"])
+def _segments(gen, grad=True):
+    """o_cmp of 20 tokens as two segments: rows for tokens [5, 17), a tail for [17, 20)."""
+    return (torch.randn(1, 12, 2, 16, generator=gen, requires_grad=grad), 5,
+            torch.randn(1, 3, 2, 16, generator=gen, requires_grad=grad))
+
+
+@pytest.mark.parametrize("name", ["sel_fwd", "sel_combine_fwd", "sel_combine_fwd:segments", "topn", "combine_fwd",
+                                  "combine_bwd:segments", "window_fwd"])
 def test_operator_contracts(fused, gen, name):
     """torch.library.opcheck: schema, fake (meta) shapes/dtypes/strides against the real kernel, autograd
-    registration."""
+    registration; the combining operators with o_cmp whole and as two token segments."""
+    name, _, form = name.partition(":")
     q, k, v, _ = make_inputs(gen, 1, 20, 2, 1, 16, 16, torch.float32, requires_grad=True)
     if name == "window_fwd":  # the window kernels read K/V through TMA descriptors (the interpreter runs them)
         fused.setattr(HOOKS, "tma_force", True)
@@ -259,12 +295,18 @@ def test_operator_contracts(fused, gen, name):
         args = (q, k, v, ops._dedupe(idx), torch.zeros(1, 20, dtype=torch.int32), 8, 0.25)
         if name == "sel_combine_fwd":
             gates = torch.rand(1, 20, 2, 3, generator=gen, requires_grad=True)
-            args += (gates, *(torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True) for _ in range(2)))
+            o_cmp = (torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True), 0,
+                     torch.zeros(1, 0, 2, 16, requires_grad=True))
+            o_win = torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True)
+            args += (gates, *(_segments(gen) if form else o_cmp), o_win)
     elif name == "topn":
         kc = torch.randn(1, 4, 1, 16, generator=gen)
         lse = torch.randn(1, 20, 2, generator=gen)
         zeros = torch.zeros(1, 20, dtype=torch.long)
         args = (q.detach(), kc, lse, zeros, zeros, 8, 4, 8, 4, 1, 1, 0.25)
+    elif name == "combine_bwd":
+        dout, o_sel, o_win = (torch.randn(1, 20, 2, 16, generator=gen) for _ in range(3))
+        args = (dout, torch.rand(1, 20, 2, 3, generator=gen), *_segments(gen, grad=False), o_sel, o_win)
     else:
         gates = torch.rand(1, 20, 2, 3, generator=gen, requires_grad=True)
         args = (gates, *(torch.randn(1, 20, 2, 16, generator=gen, requires_grad=True) for _ in range(3)))

@@ -10,9 +10,23 @@ import torch
 from ...config import NSAConfig
 from ...kernels.fa2.base import Fa2Provider
 from ...toggles import Toggles
+from ..attend import attend, compute_dtype
 from ..context import CallContext
 from ..fa2_call import padded_head_dim, prep
-from .fold import expand_kv_varlen, fold_q, plan_dense, plan_varlen, unfold_lse, unfold_o
+from .fold import (
+    expand_kv,
+    expand_kv_varlen,
+    fold_q,
+    plan_dense,
+    plan_varlen,
+    unfold_lse,
+    unfold_o,
+    unfold_view_lse,
+    unfold_view_o,
+    view_rows,
+)
+
+MIN_VIEW_ROWS = 2  # cuDNN's backward refuses a 1 x 1 attention
 
 
 def compressed_fa2(prov: Fa2Provider, ctx: CallContext, toggles: Toggles, q, k_cmp, v_cmp, layout,
@@ -68,3 +82,41 @@ def tail_attention(prov: Fa2Provider, q, k_cmp, v_cmp, scale: float):
     C = q.shape[1]
     o, lse = prov.attn(q, k_cmp, v_cmp, causal=False, left=-1, scale=scale, varlen=None, need_lse=True)
     return o, lse[..., :C].transpose(1, 2)
+
+
+def view_fold_applies(ctx: CallContext, q, v_cmp, cfg: NSAConfig) -> bool:
+    """Whether the compressed branch of this call can run on rows folded by view: dense input, the kernel in
+    q's dtype (no cast), Dk >= Dv (only V is padded), at least MIN_VIEW_ROWS rows. (The dense core also needs
+    q's strides to allow the view, nsa.run.dense_core.view_fold; a traced graph reshapes instead.)"""
+    return (not ctx.packed and ctx.kernel_dtype == q.dtype and q.shape[-1] >= v_cmp.shape[-1]
+            and view_rows(q.shape[1], cfg)[1] >= MIN_VIEW_ROWS)
+
+
+def compressed_view(prov: Fa2Provider, q, k_cmp, v_cmp, cfg: NSAConfig, scale: float):
+    """((o_rows, t0, o_tail), lse [B, T, Hq] fp32) of the compressed branch on rows folded by view, as plain
+    operations a graph can trace: the form torch.compile runs where eager mode runs the dense core's ViewCmp
+    (where view_fold_applies). o_cmp comes as two token segments, as the combining operators take it
+    (nsa.kernels.ops): o_rows [B, n*d, Hq, Dv] for tokens [t0, t0 + n*d), o_tail for the tokens after them;
+    tokens before t0 see no block (o = 0, lse = -inf). The rows are a reshape of q: no copy of q, of the output
+    or of their gradients, where the copying fold (compressed_fa2) makes four. The tail tokens (fewer than d)
+    see every block up to the row after the last and are attended in torch (a [C, n + 1] score matrix)."""
+    B, T, Hq, Dk = q.shape
+    Hkv, Dv = k_cmp.shape[2], v_cmp.shape[3]
+    d = cfg.stride_cmp
+    t0, n = view_rows(T, cfg)
+    ta = t0 + n * d
+    v_dim = Dv if prov.takes_narrower_v() else Dk
+    rows = q[:, t0:ta].reshape(B, n, d * Hq, Dk)  # fold_q_view's rows (a view where q's strides allow it)
+    o_rows, lse_rows = rows_attention(prov, rows, expand_kv(k_cmp, n, d), expand_kv(v_cmp, n, d, v_dim), scale)
+    o_main = unfold_view_o(o_rows, Hq)[..., :Dv]
+    lse_parts = [q.new_full((B, t0, Hq), float("-inf"), dtype=torch.float32), unfold_view_lse(lse_rows, Hq, d)]
+    if ta < T:
+        ct = compute_dtype(q.dtype)
+        qt = q[:, ta:].to(ct).unflatten(2, (Hkv, Hq // Hkv))
+        every = torch.ones(B, T - ta, n + 1, dtype=torch.bool, device=q.device)
+        o_t, lse_t = attend(qt, k_cmp[:, :n + 1].to(ct), v_cmp[:, :n + 1].to(ct), every, scale, return_lse=True)
+        o_tail = o_t.flatten(2, 3).to(o_main.dtype)
+        lse_parts.append(lse_t.flatten(2, 3).float())
+    else:
+        o_tail = o_main[:, :0]
+    return (o_main, t0, o_tail), torch.cat(lse_parts, 1)

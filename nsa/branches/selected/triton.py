@@ -40,12 +40,13 @@ def selected_attention(q, k, v, indices, layout, cfg, scale):
     return selected_attention_triton(q, k, v, indices, layout.seq_start, cfg, scale)
 
 
-def selected_attention_combined(q, k, v, indices, layout, cfg, scale, gates, o_cmp, o_win):
+def selected_attention_combined(q, k, v, indices, layout, cfg, scale, gates, o_cmp, o_win, cmp_lo=0, cmp_tail=None):
     """The gate combine's out = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win with o_sel from the selection kernel,
     whose epilogue applies the gates (one custom operator: the graph torch.compile traces gets the dense core's
-    forward fusion; its backward is the combine's, then the selection's)."""
+    forward fusion; its backward is the combine's, then the selection's). o_cmp whole, or with cmp_tail as two
+    token segments (nsa.kernels.ops)."""
     return ops.selected_attention_combined(q, k, v, indices, layout.seq_start, cfg.block_sel, scale, gates,
-                                           o_cmp, o_win)
+                                           o_cmp, o_win, cmp_lo, cmp_tail)
 
 
 def top_n_at(q, k_cmp, lse, seq_start, cmp_slot0, cfg, scale, q_offset: int):

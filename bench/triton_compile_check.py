@@ -70,6 +70,7 @@ KERNELS = (
     "combine_bwd",
     "decode",
     "decode_paged",
+    "rope",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUICK = (("bf16", 16, "128"), ("bf16", 16, "192/128"), ("fp32", 16, "128"))
@@ -247,6 +248,12 @@ def run_family(family: str, c: Case) -> str | None:
             cache = PagedNSACache(cfg, c.B, 128 * c.B, 64, 128, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
         tokens = tuple(_empty(c.B, 1, c.Hkv, d, dtype=dt) for d in (c.Dk, c.Dv) * 3)
         dec.decode_step(_empty(c.B, 1, Hq, c.Dk, dtype=dt), _empty(c.B, 1, Hq, 3, dtype=dt), cache, tokens)
+    elif family == "rope":  # the layers' rotary embedding, forward and (inverse) backward, on q and k
+        from nsa.kernels.triton.rope import rope_apply
+
+        pos, freqs = torch.zeros(1, c.T, dtype=torch.int64), torch.empty(c.Dk // 2, dtype=torch.float32)
+        rope_apply(q, pos, freqs)
+        rope_apply(k, pos, freqs, inverse=True)
     else:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(KERNELS)}")
     return None

@@ -8,10 +8,14 @@ compressed keys are then compressed from the rotated keys (a documented choice: 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
+from . import telemetry
 from .cache import NSACache
+from .compiling import compiling, trace_constant
 from .config import NSAConfig
 from .decode import nsa_decode, nsa_prefill
 from .functional import nsa_attention
@@ -22,11 +26,58 @@ BRANCHES = ("cmp", "sel", "win")
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split convention). x [B, T, H, D] with D even, positions [B or 1, T]."""
-    D = x.shape[-1]
-    half = D // 2
+    """Rotary embedding (half-split convention). x [B, T, H, D] with D even, positions [B or 1, T].
+
+    On CUDA one Triton pass (nsa.kernels.triton.rope: cos/sin once per token and frequency for every head; the
+    `nsa::rope` operator under torch.compile), counted as a ("rope", "triton", "rotate") event; elsewhere, or
+    where Triton does not import (a ("rope", "torch", "no_triton") event), the torch formula (rope_torch).
+    Both agree to fp32 rounding."""
+    half = x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    if x.is_cuda and x.stride(-1) == 1:
+        if rope_kernel_imports():
+            telemetry.event("rope", "triton", "rotate")
+            if compiling():
+                return torch.ops.nsa.rope(x, positions, freqs, False)
+            return _Rope.apply(x, positions, freqs)
+        telemetry.event("rope", "torch", "no_triton")
+    return rope_torch(x, positions, freqs)
+
+
+@trace_constant
+@lru_cache(maxsize=1)
+def rope_kernel_imports() -> bool:
+    """Whether the Triton rope kernel imports here (triton installed and importable)."""
+    try:
+        from .kernels.triton import rope as _  # noqa: F401
+    except ImportError:
+        return False
+    from .kernels import ops as _ops  # noqa: F401 - registers nsa::rope
+    return True
+
+
+class _Rope(torch.autograd.Function):
+    """Eager mode's rope kernel with its backward (the rotation by minus the angle); no operator dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, positions, freqs):
+        from .kernels.triton.rope import rope_apply
+
+        ctx.save_for_backward(positions, freqs)
+        return rope_apply(x, positions, freqs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.triton.rope import rope_apply
+
+        positions, freqs = ctx.saved_tensors
+        return rope_apply(dy if dy.stride(-1) == 1 else dy.contiguous(), positions, freqs, inverse=True), None, None
+
+
+def rope_torch(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding in torch ops (freqs [D/2] fp32, as rope computes them)."""
     angles = positions.to(torch.float32)[..., None] * freqs  # [B, T, half]
+    half = freqs.shape[0]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)

@@ -12,6 +12,7 @@ as single graph nodes instead of entering Triton's launchers (docs/compile.md).
         -> (dgates, do_cmp, do_cmp_tail, do_sel, do_win)
     torch.ops.nsa.window_fwd(q, k, v, window, scale) -> (o, lse)                            sliding window
     torch.ops.nsa.window_bwd(do, q, k, v, o, lse, window, scale) -> (dq, dk, dv)
+    torch.ops.nsa.rope(x, positions, freqs, inverse) -> y                                   rotary embedding
 
 o_cmp of the combining operators comes as two token segments (nsa.kernels.triton.combine.Segments): o_cmp holds
 tokens [cmp_lo, cmp_lo + len(o_cmp)), cmp_tail the tokens after them, every other token's o_cmp is 0; the whole
@@ -273,7 +274,37 @@ def _window_backward(ctx, do, _dlse):
 
 window_fwd.register_autograd(_window_backward, setup_context=_window_setup)
 
-OPS = ("sel_fwd", "sel_bwd", "sel_combine_fwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd")
+# --- rotary embedding (one pass: cos/sin once per token and frequency, every head) --------------------------
 
-__all__ = ["OPS", "combine_bwd", "combine_fwd", "gate_combine", "sel_bwd", "sel_combine_fwd", "sel_fwd",
+
+@torch.library.custom_op("nsa::rope", mutates_args=())
+def rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool) -> Tensor:
+    from .triton.rope import rope_apply
+
+    return rope_apply(x, positions, freqs, inverse)
+
+
+@rope.register_fake
+def _rope_fake(x, positions, freqs, inverse):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, positions, freqs, inverse = inputs
+    ctx.save_for_backward(positions, freqs)
+    ctx.inverse = inverse
+
+
+def _rope_backward(ctx, dy):
+    positions, freqs = ctx.saved_tensors
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    return rope(dy, positions, freqs, not ctx.inverse), None, None, None  # a rotation's transpose: minus the angle
+
+
+rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+OPS = ("sel_fwd", "sel_bwd", "sel_combine_fwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd",
+       "rope")
+
+__all__ = ["OPS", "combine_bwd", "rope", "combine_fwd", "gate_combine", "sel_bwd", "sel_combine_fwd", "sel_fwd",
            "selected_attention", "selected_attention_combined", "top_n", "topn", "window_bwd", "window_fwd"]

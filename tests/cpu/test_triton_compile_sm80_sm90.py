@@ -41,6 +41,7 @@ EXPECTED = {
     "decode_paged:append",
     "decode_paged:cmp_win",
     "decode_paged:sel",
+    "rope:rope",
 }
 WINDOW = {"window_fwd:window_fwd", "window_bwd:window_delta", "window_bwd:window_dkdv", "window_bwd:window_dq"}
 

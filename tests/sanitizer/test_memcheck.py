@@ -41,6 +41,7 @@ SWEEPS = {
     "fa2": Sweep("fa2_edge_sweep.py", 150, warm_up=False),
     "triton_sel": Sweep("triton_sel_edge_sweep.py", 110, warm_up=False),
     "decode": Sweep("decode_edge_sweep.py", 200),
+    "rope": Sweep("rope_edge_sweep.py", 90, warm_up=False),
 }
 
 

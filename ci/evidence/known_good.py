@@ -135,6 +135,14 @@ def render_md(entries: list[dict], cells: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline_unit(name: str) -> str:
+    """The unit of a headline figure, from its name (the bench headline's naming): times end in _ms, rates
+    name tok_per_s, everything else (speedup_*, *_over_*) is a ratio."""
+    if name.endswith("_ms"):
+        return "ms"
+    return "tok/s" if "tok_per_s" in name else "x"
+
+
 def _row(e: dict) -> str:
     v, chk = e.get("versions") or {}, e.get("lock_check") or {}
     gpu = (f"{e['gpu_count']} x " if (e.get("gpu_count") or 1) > 1 else "") + str(e.get("gpu") or "?")
@@ -150,8 +158,7 @@ def _row(e: dict) -> str:
     if e.get("overlay"):  # ci/sessions/overlay.py: the host's Python plus the lock's own wheels
         lock += f"; overlay venv: {len(e['overlay']['install'])} package(s) from the lock's wheels over the host's"
     suites = ", ".join(f"{n} {s.get('status')}" for n, s in sorted((e.get("suites") or {}).items()))
-    head = ", ".join(f"{n} {val:g} {'x' if n.startswith('speedup') else 'ms'}"
-                     for n, val in sorted((e.get("headline") or {}).items()))
+    head = ", ".join(f"{n} {val:g} {headline_unit(n)}" for n, val in sorted((e.get("headline") or {}).items()))
     head += f" (gate {e['bench_gate']})" if e.get("bench_gate") else ""
     commit = str(e.get("commit"))[:12] + (" (dirty)" if e.get("dirty") else "")
     return (f"| {e.get('cell')} | {gpu} | {status} | {str(e.get('date'))[:10]} | {commit} | {versions} | {lock} "

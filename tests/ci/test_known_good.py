@@ -61,6 +61,12 @@ def test_merge_several_newest_wins(tmp_path):
     assert saved["schema"] == K.TABLE_SCHEMA and len(saved["entries"]) == 3
 
 
+def test_headline_units_follow_the_names():
+    names = {"decode_step_ms": "ms", "seed_block_fwd_s128_ms": "ms", "speedup_fwd_bwd_vs_fa2_64k": "x",
+             "seed_fa2_over_sdpa_cmp": "x", "seed_prefill_decode_tok_per_s_2k": "tok/s"}
+    assert {n: K.headline_unit(n) for n in names} == names
+
+
 def test_dates_are_compared_as_times_not_text():
     # 10:00+05:00 is 05:00 UTC: older than 06:00 UTC although its text sorts later.
     [e] = K.merge([entry(date="2026-11-20T06:00:00+00:00", commit="later"),

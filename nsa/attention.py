@@ -34,7 +34,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     Both agree to fp32 rounding."""
     half = x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    if x.is_cuda and x.stride(-1) == 1:
+    if x.is_cuda:
         if rope_kernel_imports():
             telemetry.event("rope", "triton", "rotate")
             if compiling():
@@ -71,7 +71,7 @@ class _Rope(torch.autograd.Function):
         from .kernels.triton.rope import rope_apply
 
         positions, freqs = ctx.saved_tensors
-        return rope_apply(dy if dy.stride(-1) == 1 else dy.contiguous(), positions, freqs, inverse=True), None, None
+        return rope_apply(dy, positions, freqs, inverse=True), None, None
 
 
 def rope_torch(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

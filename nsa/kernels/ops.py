@@ -297,7 +297,6 @@ def _rope_setup(ctx, inputs, output):
 
 def _rope_backward(ctx, dy):
     positions, freqs = ctx.saved_tensors
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     return rope(dy, positions, freqs, not ctx.inverse), None, None, None  # a rotation's transpose: minus the angle
 
 
@@ -306,5 +305,5 @@ rope.register_autograd(_rope_backward, setup_context=_rope_setup)
 OPS = ("sel_fwd", "sel_bwd", "sel_combine_fwd", "topn", "combine_fwd", "combine_bwd", "window_fwd", "window_bwd",
        "rope")
 
-__all__ = ["OPS", "combine_bwd", "rope", "combine_fwd", "gate_combine", "sel_bwd", "sel_combine_fwd", "sel_fwd",
+__all__ = ["OPS", "combine_bwd", "combine_fwd", "gate_combine", "rope", "sel_bwd", "sel_combine_fwd", "sel_fwd",
            "selected_attention", "selected_attention_combined", "top_n", "topn", "window_bwd", "window_fwd"]

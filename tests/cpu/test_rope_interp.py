@@ -48,6 +48,14 @@ def test_rope_kernel_matches_torch(gen, B, T, H, D, per_row, dtype):
     assert rel_err(g_got, g_want) <= 1e-6
 
 
+def test_rope_kernel_takes_a_strided_head_dim(gen):
+    """A gradient may come with its head dim not contiguous: the launcher copies it first."""
+    x = torch.randn(2, 9, 16, 3, generator=gen, dtype=torch.float64).transpose(2, 3)  # [2, 9, 3, 16], stride 3
+    pos, freqs = _positions(2, 9, True), _freqs(16)
+    assert x.stride(-1) != 1
+    assert rel_err(rope_mod.rope_apply(x, pos, freqs), rope_torch(x, pos, freqs)) <= 1e-6
+
+
 def test_rope_inverse_undoes_rope(gen):
     x = torch.randn(2, 20, 4, 32, generator=gen, dtype=torch.float64)
     pos, freqs = _positions(2, 20, True), _freqs(32)

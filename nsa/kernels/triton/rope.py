@@ -48,8 +48,9 @@ def _rope_kernel(X, Y, POS, FREQ, T, H, HALF,
 
 
 def rope_apply(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x [B, T, H, D] (head dim contiguous), positions [B or 1, T], freqs [D/2] fp32 -> y [B, T, H, D] contiguous,
-    in x's dtype."""
+    """x [B, T, H, D] (any strides; copied first where the head dim is not contiguous, as a gradient may come),
+    positions [B or 1, T], freqs [D/2] fp32 -> y [B, T, H, D] contiguous, in x's dtype."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     B, T, H, D = x.shape
     half = D // 2
     y = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)

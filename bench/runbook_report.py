@@ -166,13 +166,16 @@ def report(run_dir: Path, bench: bool = True, device: str = "cuda") -> tuple[lis
 
 
 def showcase_summary(out_dir: Path) -> str:
-    """NSA and dense tok/s per length from train_showcase.json, and the corpus that served."""
+    """NSA's and each dense backend's tok/s per length from train_showcase.json, and the corpus that served."""
     rep = json.loads((out_dir / "train_showcase.json").read_text())
-    runs = {(r["attention"], r["seq_len"]): r for r in rep["runs"]}
     parts = []
-    for (att, seq), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "nsa")):
-        parts.append(f"{att} S={seq}: {r['tok_s']:.0f} tok/s, loss {r['loss_first']:.2f} -> {r['loss_last']:.2f}")
-    ratios = ", ".join(f"S={k}: x{v:.2f}" for k, v in rep.get("nsa_over_dense_tok_s", {}).items())
+    for r in sorted(rep["runs"], key=lambda r: (r["seq_len"], r["attention"] != "nsa")):
+        name = "nsa" if r["attention"] == "nsa" else f"dense/{r.get('dense_backend')}"
+        parts.append(f"{name} S={r['seq_len']}: {r['tok_s']:.0f} tok/s, "
+                     f"loss {r['loss_first']:.2f} -> {r['loss_last']:.2f}")
+    ratios = ", ".join(f"S={k} vs {backend}: x{v:.2f}"
+                       for backend, per_len in rep.get("nsa_over_dense_tok_s", {}).items()
+                       for k, v in per_len.items())
     return "; ".join(parts) + (f"; NSA over dense {ratios}" if ratios else "") + f" ({rep['corpus']['corpus']})"
 
 

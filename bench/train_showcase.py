@@ -8,8 +8,13 @@ model with dense causal attention, in one process.
 Model: embedding -> --layers x LlamaBlockNSA (RMSNorm, NSA attention with RoPE and gates, SwiGLU) -> LM
 head, byte-level tokens (vocabulary 256 + a document separator), AdamW with a linear warm-up, bf16 autocast
 on a GPU (fp32 master weights). The dense model is the same model with each block's attention replaced by
-causal SDPA over one K/V projection (FlashAttention-2 on a GPU; GQA through enable_gqa); packed documents
-(--packed) go through the FA-2 varlen kernel there. Both start from the same seed and see the same batches.
+causal SDPA over one K/V projection (GQA through enable_gqa), trained once per --dense-backends entry:
+  fa2    FlashAttention-2 (SDPA's flash backend), the baseline NSA's speedups are stated against;
+  cudnn  cuDNN's fused attention (SDPA's cuDNN backend), the fastest dense attention on Hopper;
+  auto   whatever SDPA picks (the only choice on CPU).
+Default on a GPU: fa2,cudnn. A forced backend that cannot serve is an error from SDPA, never a silent
+fallback. Packed documents (--packed) go through FA-2's varlen kernel on a GPU (SDPA has no packed cuDNN
+path, so cudnn trains no packed run). Every model starts from the same seed and sees the same batches.
 
 Data (--dataset):
   fineweb_edu  HuggingFaceFW/fineweb-edu (sample-10BT) streamed through `datasets`. When `datasets` is missing
@@ -24,8 +29,8 @@ NSA_BATCH_SIZE * S tokens cut into documents), NSA_ACCUM micro-steps per optimiz
 Outputs in --out (default artifacts/train_showcase/<time>): train_showcase.csv (one row per step: loss, step
 time, tok/s), train_showcase.json (environment, arguments, corpus, per run: median step time with min/max,
 tok/s, peak memory, first and last loss, the NSA paths that served from nsa.telemetry, and NSA's tok/s over
-dense at each length) and train_showcase.png (loss against step, both models, every length) when matplotlib
-is installed. Timing excludes the first --warmup steps (kernel compilation).
+each dense backend's at each length) and train_showcase.png (loss against step, every model, every length)
+when matplotlib is installed. Timing excludes the first --warmup steps (kernel compilation).
 """
 
 from __future__ import annotations
@@ -214,6 +219,25 @@ class DenseCausalAttention(nn.Module):
         return self.o_proj(o.flatten(2))
 
 
+# --dense-backends: name -> SDPBackend member (None: SDPA's own pick)
+DENSE_BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "auto": None}
+
+
+def dense_backend(name: str | None):
+    """The SDPA backend context of a dense run. Entered around forward and backward: SDPA (eager, or when
+    torch.compile traces it) dispatches to the one backend allowed, or raises when it cannot serve."""
+    member = DENSE_BACKENDS.get(name) if name else None
+    if member is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    return sdpa_kernel([getattr(SDPBackend, member)])
+
+
+def run_label(attention: str, backend: str | None) -> str:
+    return attention if attention == "nsa" else f"dense/{backend}"
+
+
 @dataclass
 class ModelShape:
     layers: int
@@ -251,10 +275,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def train(attention, seq, packed, args, shape, data, device, dtype, log):
-    """Train one model for args.steps optimizer steps; returns (per-step rows, summary)."""
+def train(attention, seq, packed, args, shape, data, device, dtype, log, backend=None):
+    """Train one model for args.steps optimizer steps; returns (per-step rows, summary). `backend`: the dense
+    model's SDPA backend (DENSE_BACKENDS)."""
+    label = run_label(attention, backend)
     model = build(attention, shape, device, args.seed)
     if args.compile:
+        # A fresh trace per run: Dynamo's guards do not cover SDPA's backend flags, so without the reset the
+        # second dense model would reuse the first one's graph, whichever backend that traced.
+        torch._dynamo.reset()
         model = torch.compile(model)
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
@@ -276,9 +305,10 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log):
                 toks, cu = toks.to(device), cu.to(device)
             else:
                 toks, cu = data.dense(args.batch, seq).to(device), None
-            with autocast:
-                loss = lm_loss(model, toks, cu) / args.accum
-            loss.backward()
+            with dense_backend(backend):
+                with autocast:
+                    loss = lm_loss(model, toks, cu) / args.accum
+                loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -289,6 +319,7 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log):
         rows.append(
             {
                 "attention": attention,
+                "dense_backend": backend,
                 "seq_len": seq,
                 "packed": packed,
                 "step": step,
@@ -299,13 +330,14 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log):
         )
         if step % args.log_every == 0 or step == args.steps - 1:
             log(
-                f"  {attention:5s} S={seq:6d}{' packed' if packed else ''} step {step:4d}  loss {total:.4f}  "
+                f"  {label:11s} S={seq:6d}{' packed' if packed else ''} step {step:4d}  loss {total:.4f}  "
                 f"{ms:8.1f} ms  {rows[-1]['tok_s']:10.0f} tok/s"
             )
     timed = [r["step_ms"] for r in rows[args.warmup :]] or [r["step_ms"] for r in rows]
     med = statistics.median(timed)
     summary = {
         "attention": attention,
+        "dense_backend": backend,
         "seq_len": seq,
         "packed": packed,
         "steps": args.steps,
@@ -338,14 +370,16 @@ def plot(rows, path) -> bool:
     runs = sorted({(r["seq_len"], r["packed"]) for r in rows})
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
     for ax, (seq, packed) in zip(axes[0], runs):
-        for att in ("nsa", "dense"):
+        labels = dict.fromkeys(run_label(r["attention"], r["dense_backend"]) for r in rows)
+        for label in labels:
             pts = [
                 (r["step"], r["loss"])
                 for r in rows
-                if (r["seq_len"], r["packed"], r["attention"]) == (seq, packed, att)
+                if (r["seq_len"], r["packed"]) == (seq, packed)
+                and run_label(r["attention"], r["dense_backend"]) == label
             ]
             if pts:
-                ax.plot(*zip(*pts), label=att)
+                ax.plot(*zip(*pts), label=label)
         ax.set_title(f"S={seq}{' packed' if packed else ''}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (nats/byte)")
@@ -382,6 +416,11 @@ def parse_args(argv=None):
         help="comma-separated sequence lengths (default 2048,8192,32768 on a GPU, 256 on CPU)",
     )
     ap.add_argument("--attention", default="nsa,dense", help="models to train: nsa, dense or both (default)")
+    ap.add_argument(
+        "--dense-backends",
+        default=None,
+        help="SDPA backends of the dense model, a run each: fa2, cudnn, auto (default fa2,cudnn on GPU, auto on CPU)",
+    )
     ap.add_argument("--packed", action="store_true", help="also train on packed documents (cu_seqlens) at each length")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, dim-128 model (CPU smoke)")
     ap.add_argument("--layers", type=int, default=8)
@@ -413,7 +452,28 @@ def parse_args(argv=None):
     bad = [a for a in args.attention if a not in ("nsa", "dense")]
     if bad or not args.attention:
         ap.error(f"--attention takes nsa, dense or nsa,dense; got {','.join(args.attention) or '(nothing)'}")
+    if args.dense_backends is not None:
+        args.dense_backends = [b.strip() for b in args.dense_backends.split(",") if b.strip()]
+        bad = [b for b in args.dense_backends if b not in DENSE_BACKENDS]
+        if bad or not args.dense_backends:
+            ap.error(
+                f"--dense-backends takes a comma-separated list of {', '.join(DENSE_BACKENDS)}; "
+                f"got {','.join(args.dense_backends) or '(nothing)'}"
+            )
     return args
+
+
+def nsa_over_dense(runs) -> dict:
+    """{dense backend: {"<S>" or "<S>_packed": NSA's tok/s over that dense run's}} for every length both ran."""
+    ratios: dict = {}
+    for s in runs:
+        if s["attention"] != "nsa":
+            continue
+        for d in runs:
+            if d["attention"] == "dense" and (d["seq_len"], d["packed"]) == (s["seq_len"], s["packed"]):
+                key = f"{s['seq_len']}{'_packed' if s['packed'] else ''}"
+                ratios.setdefault(d["dense_backend"], {})[key] = s["tok_s"] / d["tok_s"]
+    return ratios
 
 
 def main(argv=None) -> dict:
@@ -422,6 +482,10 @@ def main(argv=None) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if device.type == "cpu":
         dtype = torch.float32
+    backends = args.dense_backends or (["fa2", "cudnn"] if device.type == "cuda" else ["auto"])
+    if device.type != "cuda" and backends != ["auto"]:
+        raise SystemExit(f"--dense-backends: fa2 and cudnn need a CUDA device; on {device.type} use auto")
+    args.dense_backends = backends
     seqs = (
         [int(s) for s in args.seq_lens.split(",")]
         if args.seq_lens
@@ -446,33 +510,36 @@ def main(argv=None) -> dict:
         f"{device}, {args.dtype if device.type == 'cuda' else 'fp32'}, model {shape}, batch {args.batch} x accum "
         f"{args.accum}, {args.steps} steps, S={seqs}, out {out}"
     )
-    rows, runs = [], []
+    rows, runs, skipped = [], [], []
     for seq in seqs:
         for packed in (False, True) if args.packed else (False,):
-            for att in args.attention:
-                r, s = train(att, seq, packed, args, shape, data, device, dtype, log)
+            plan = [(a, None) for a in args.attention if a == "nsa"]
+            plan += [(a, b) for a in args.attention if a == "dense" for b in backends]
+            for att, backend in plan:
+                if packed and backend == "cudnn":
+                    skipped.append(
+                        {
+                            "attention": att,
+                            "dense_backend": backend,
+                            "seq_len": seq,
+                            "packed": True,
+                            "why": "SDPA has no packed (varlen) cuDNN path",
+                        }
+                    )
+                    log(f"dense/cudnn S={seq} packed: not trained ({skipped[-1]['why']})")
+                    continue
+                r, s = train(att, seq, packed, args, shape, data, device, dtype, log, backend)
                 rows += r
                 runs.append(s)
                 log(
-                    f"{att:5s} S={seq} {'packed ' if packed else ''}: {s['tok_s']:.0f} tok/s "
+                    f"{run_label(att, backend)} S={seq} {'packed ' if packed else ''}: {s['tok_s']:.0f} tok/s "
                     f"(median step {s['step_ms_median']:.1f} ms), loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}"
                     + (f", peak {s['peak_mib']:.0f} MiB" if s["peak_mib"] is not None else "")
                 )
-    ratios = {}
-    for s in runs:
-        if s["attention"] == "nsa":
-            dense = next(
-                (
-                    d
-                    for d in runs
-                    if d["attention"] == "dense" and (d["seq_len"], d["packed"]) == (s["seq_len"], s["packed"])
-                ),
-                None,
-            )
-            if dense:
-                ratios[f"{s['seq_len']}{'_packed' if s['packed'] else ''}"] = s["tok_s"] / dense["tok_s"]
-    for key, r in ratios.items():
-        log(f"NSA over dense tok/s at S={key}: {r:.2f}x")
+    ratios = nsa_over_dense(runs)
+    for backend, per_len in ratios.items():
+        for key, r in per_len.items():
+            log(f"NSA over dense/{backend} tok/s at S={key}: {r:.2f}x")
     write_csv(out / "train_showcase.csv", rows)
     report = {
         "environment": env_metadata(device),
@@ -480,6 +547,7 @@ def main(argv=None) -> dict:
         "model": shape.__dict__,
         "corpus": corpus,
         "runs": runs,
+        "skipped": skipped,
         "nsa_over_dense_tok_s": ratios,
         "png": plot(rows, out / "train_showcase.png"),
     }

@@ -47,11 +47,13 @@ def test_smoke_trains_both_models_dense_and_packed(tmp_path, monkeypatch):
     )
     runs = {(r["attention"], r["packed"]): r for r in report["runs"]}
     assert set(runs) == {("nsa", False), ("dense", False), ("nsa", True), ("dense", True)}
+    assert {r["dense_backend"] for r in report["runs"] if r["attention"] == "dense"} == {"auto"}  # CPU's only one
     for r in runs.values():
         assert r["tokens_per_step"] == 2 * 64 and r["tok_s"] > 0
         assert torch.isfinite(torch.tensor([r["loss_first"], r["loss_last"]])).all()
     assert runs[("nsa", False)]["nsa_paths"] and runs[("dense", False)]["nsa_paths"] is None
-    assert set(report["nsa_over_dense_tok_s"]) == {"64", "64_packed"}
+    assert set(report["nsa_over_dense_tok_s"]) == {"auto"}
+    assert set(report["nsa_over_dense_tok_s"]["auto"]) == {"64", "64_packed"}
     saved = json.loads((tmp_path / "train_showcase.json").read_text())
     assert saved["corpus"]["corpus"] == "pydoc" and saved["args"]["accum"] == 2
     assert len((tmp_path / "train_showcase.csv").read_text().splitlines()) == 1 + 4 * 2
@@ -141,3 +143,50 @@ def test_packed_loss_is_the_token_weighted_loss_of_each_document_alone(attention
             total += TS.lm_loss(model, doc).item() * n
             count += n
     assert got.item() == pytest.approx(total / count, rel=1e-6)  # the loss itself is taken in fp32
+
+
+def test_dense_backends_are_checked_and_gpu_ones_refused_on_cpu(tmp_path):
+    assert TS.parse_args(["--dense-backends", "fa2, cudnn"]).dense_backends == ["fa2", "cudnn"]
+    with pytest.raises(SystemExit):
+        TS.parse_args(["--dense-backends", "flash"])
+    with pytest.raises(SystemExit):
+        TS.parse_args(["--dense-backends", ","])
+    args = ["--tiny", "--steps", "1", "--seq-lens", "32", "--dataset", "pydoc", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="--dense-backends: fa2 and cudnn need a CUDA device"):
+        TS.main([*args, "--dense-backends", "fa2", "--out", str(tmp_path)])
+
+
+def test_ratios_pair_nsa_with_each_dense_backend_at_the_same_length():
+    def run(att, backend, seq, packed, tok_s):
+        return {"attention": att, "dense_backend": backend, "seq_len": seq, "packed": packed, "tok_s": tok_s}
+
+    runs = [
+        run("nsa", None, 8, False, 300.0),
+        run("dense", "fa2", 8, False, 100.0),
+        run("dense", "cudnn", 8, False, 150.0),
+        run("nsa", None, 8, True, 200.0),
+        run("dense", "fa2", 8, True, 400.0),
+        run("dense", "fa2", 16, False, 1.0),
+    ]
+    assert TS.nsa_over_dense(runs) == {"fa2": {"8": 3.0, "8_packed": 0.5}, "cudnn": {"8": 2.0}}
+
+
+def test_a_forced_backend_is_the_only_one_sdpa_may_use():
+    from torch.nn.attention import SDPBackend
+
+    ctx = TS.dense_backend("fa2")
+    with ctx:
+        assert torch._C._get_flash_sdp_enabled() and not torch._C._get_cudnn_sdp_enabled()
+        assert not torch._C._get_mem_efficient_sdp_enabled() and not torch._C._get_math_sdp_enabled()
+    assert isinstance(TS.dense_backend("auto"), type(TS.contextlib.nullcontext()))
+    assert SDPBackend.CUDNN_ATTENTION.name == TS.DENSE_BACKENDS["cudnn"]
+
+
+def test_compiled_runs_each_trace_afresh(tmp_path, monkeypatch):
+    """Each compiled run resets Dynamo first, so a dense run never reuses a graph traced under another backend."""
+    resets = []
+    monkeypatch.setattr(TS.torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(TS.torch, "compile", lambda model: model)
+    args = ["--tiny", "--steps", "1", "--seq-lens", "32", "--dataset", "pydoc", "--warmup", "0", "--compile"]
+    report = TS.main([*args, "--out", str(tmp_path)])
+    assert len(report["runs"]) == 2 and len(resets) == 2

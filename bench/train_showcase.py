@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import socket
 import statistics
 import sys
@@ -234,6 +235,23 @@ def dense_backend(name: str | None):
     return sdpa_kernel([getattr(SDPBackend, member)])
 
 
+# A dense run's attention kernels must be its backend's: SDPA's flash kernels (FA-2) or cuDNN's
+BACKEND_KERNEL = {"fa2": lambda n: "flash" in n and "cudnn" not in n, "cudnn": lambda n: "cudnn" in n}
+
+
+def attention_kernels(prof) -> list[str]:
+    """Names (cut to 100 characters) of the attention kernels a profiled step ran on the GPU."""
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sorted(n[:100] for n in names if re.search("flash|cudnn|fmha|attention|sdpa", n, re.IGNORECASE))
+
+
+def backend_served(backend: str | None, kernels: list[str] | None) -> bool | None:
+    """Whether a forced backend's kernels ran (None: nothing to check: NSA, `auto`, or not profiled)."""
+    if backend not in BACKEND_KERNEL or kernels is None:
+        return None
+    return any(BACKEND_KERNEL[backend](n.lower()) for n in kernels)
+
+
 def run_label(attention: str, backend: str | None) -> str:
     return attention if attention == "nsa" else f"dense/{backend}"
 
@@ -275,6 +293,25 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def micro_steps(model, packed, backend, graphs, args, seq, data, device, autocast) -> float:
+    """Forward and backward of the args.accum micro-batches of one optimizer step; returns their loss."""
+    total = 0.0
+    for _ in range(args.accum):
+        if graphs:  # CUDA graphs (cudagraph trees): a new iteration, so earlier outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        if packed:
+            toks, cu = data.packed(args.batch * seq)
+            toks, cu = toks.to(device), cu.to(device)
+        else:
+            toks, cu = data.dense(args.batch, seq).to(device), None
+        with dense_backend(backend):
+            with autocast:
+                loss = lm_loss(model, toks, cu) / args.accum
+            loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def train(attention, seq, packed, args, shape, data, device, dtype, log, backend=None):
     """Train one model for args.steps optimizer steps; returns (per-step rows, summary). `backend`: the dense
     model's SDPA backend (DENSE_BACKENDS)."""
@@ -284,7 +321,8 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log, backend
         # A fresh trace per run: Dynamo's guards do not cover SDPA's backend flags, so without the reset the
         # second dense model would reuse the first one's graph, whichever backend that traced.
         torch._dynamo.reset()
-        model = torch.compile(model)
+        model = torch.compile(model, mode=args.compile_mode)
+    graphs = args.compile and args.compile_mode == "reduce-overhead"
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
@@ -295,21 +333,22 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log, backend
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows, tokens_per_step = [], args.batch * args.accum * seq
+    kernels = None
     for step in range(args.steps):
+        # Step 0 (compilation, left out of the timing) of a dense run on a GPU is profiled: which attention
+        # kernels SDPA dispatched to, so a run cannot report one backend while another served.
+        watch = step == 0 and attention == "dense" and device.type == "cuda"
+        prof = (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            if watch
+            else contextlib.nullcontext()
+        )
         sync(device)
         t0 = time.perf_counter()
-        total = 0.0
-        for _ in range(args.accum):
-            if packed:
-                toks, cu = data.packed(args.batch * seq)
-                toks, cu = toks.to(device), cu.to(device)
-            else:
-                toks, cu = data.dense(args.batch, seq).to(device), None
-            with dense_backend(backend):
-                with autocast:
-                    loss = lm_loss(model, toks, cu) / args.accum
-                loss.backward()
-            total += float(loss.detach())
+        with prof:
+            total = micro_steps(model, packed, backend, graphs, args, seq, data, device, autocast)
+        if watch:
+            kernels = attention_kernels(prof)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -351,6 +390,8 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log, backend
         "loss_last": rows[-1]["loss"],
         "params": sum(p.numel() for p in model.parameters()),
         "nsa_paths": telemetry.snapshot() if attention == "nsa" else None,
+        "attention_kernels": kernels,
+        "backend_served": backend_served(backend, kernels),
     }
     del model, opt
     if device.type == "cuda":
@@ -431,7 +472,13 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--lr-warmup", type=int, default=20, help="linear warm-up steps (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile both models")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every model")
+    ap.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs, for host-bound steps)",
+    )
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument(
         "--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="autocast dtype on a GPU (CPU runs fp32)"
@@ -486,6 +533,14 @@ def main(argv=None) -> dict:
     if device.type != "cuda" and backends != ["auto"]:
         raise SystemExit(f"--dense-backends: fa2 and cudnn need a CUDA device; on {device.type} use auto")
     args.dense_backends = backends
+    if args.compile:
+        # Inductor's and AOTAutograd's caches key on the traced graph, which names SDPA, not the backend it
+        # dispatches to: a cached dense graph would serve every backend. Each run compiles afresh instead.
+        import torch._functorch.config as functorch_config  # noqa: PLC0415
+        import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
     seqs = (
         [int(s) for s in args.seq_lens.split(",")]
         if args.seq_lens
@@ -536,6 +591,8 @@ def main(argv=None) -> dict:
                     f"(median step {s['step_ms_median']:.1f} ms), loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}"
                     + (f", peak {s['peak_mib']:.0f} MiB" if s["peak_mib"] is not None else "")
                 )
+                if s["attention_kernels"] is not None:
+                    log(f"  attention kernels: {'; '.join(s['attention_kernels']) or '(none)'}")
     ratios = nsa_over_dense(runs)
     for backend, per_len in ratios.items():
         for key, r in per_len.items():
@@ -553,6 +610,15 @@ def main(argv=None) -> dict:
     }
     write_json(out / "train_showcase.json", report)
     log(f"wrote {out}/train_showcase.csv, train_showcase.json{', train_showcase.png' if report['png'] else ''}")
+    wrong = [
+        f"{run_label(s['attention'], s['dense_backend'])} S={s['seq_len']}"
+        for s in runs
+        if s["backend_served"] is False
+    ]
+    if wrong:
+        raise SystemExit(
+            f"train_showcase: the forced SDPA backend did not serve in {', '.join(wrong)} (see attention_kernels)"
+        )
     return report
 
 

@@ -186,7 +186,30 @@ def test_compiled_runs_each_trace_afresh(tmp_path, monkeypatch):
     """Each compiled run resets Dynamo first, so a dense run never reuses a graph traced under another backend."""
     resets = []
     monkeypatch.setattr(TS.torch._dynamo, "reset", lambda: resets.append(1))
-    monkeypatch.setattr(TS.torch, "compile", lambda model: model)
+    monkeypatch.setattr(TS.torch, "compile", lambda model, mode: model)
     args = ["--tiny", "--steps", "1", "--seq-lens", "32", "--dataset", "pydoc", "--warmup", "0", "--compile"]
     report = TS.main([*args, "--out", str(tmp_path)])
     assert len(report["runs"]) == 2 and len(resets) == 2
+
+
+def test_a_dense_run_whose_forced_backend_did_not_serve_is_caught():
+    fa2 = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>"
+    cudnn = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"
+    assert TS.backend_served("fa2", [fa2]) is True
+    assert TS.backend_served("fa2", [cudnn]) is False  # cuDNN's kernel names say flash too
+    assert TS.backend_served("cudnn", [cudnn]) is True
+    assert TS.backend_served("cudnn", [fa2]) is False
+    assert TS.backend_served("cudnn", []) is False
+    assert TS.backend_served("auto", [fa2]) is None and TS.backend_served(None, [fa2]) is None
+    assert TS.backend_served("fa2", None) is None  # not profiled (CPU)
+
+
+def test_attention_kernels_keeps_the_gpu_attention_kernels_only():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        types.SimpleNamespace(name="void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<" + "x" * 200, device_type=cuda),
+        types.SimpleNamespace(name="ampere_bf16_s16816gemm_bf16_128x64", device_type=cuda),
+        types.SimpleNamespace(name="aten::scaled_dot_product_attention", device_type=cpu),
+    ]
+    got = TS.attention_kernels(types.SimpleNamespace(events=lambda: events))
+    assert got == [events[0].name[:100]]

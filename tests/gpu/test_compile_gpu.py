@@ -163,3 +163,36 @@ def test_layer_8k(cuda_gen):
         assert err(a, b) <= LAYER_TOL, i
     _assert_kernels_ran()
     assert graphs.frame_count == 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_graphs(cuda_gen, packed):
+    """mode="reduce-overhead" (Inductor's CUDA graphs, what a host-bound training step uses): the step is
+    captured, with no skip (no host synchronisation, no CPU tensor in the graph), and every run (warm-up,
+    recording, replays) equals eager mode, forward and backward; dense and packed input."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    counters.clear()
+    if packed:
+        leaves = make(cuda_gen, 1, 1500, 8, 2, 64)
+        cu = torch.tensor([0, 300, 301, 1100, 1500], dtype=torch.int32, device="cuda")
+    else:
+        leaves, cu = make(cuda_gen, 2, 1000, 8, 2, 64), None
+
+    def fn(q, k, v, g, cu):
+        return nsa_attention(q, k, v, g, SMALL, cu_seqlens=cu)
+
+    compiled = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    want = fn(*leaves, cu)
+    go = torch.randn_like(want)
+    grads_want = torch.autograd.grad(want, leaves, go)
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(*leaves, cu)
+        assert err(got, want) <= TOL
+        for i, (a, b) in enumerate(zip(torch.autograd.grad(got, leaves, go), grads_want)):
+            assert err(a, b) <= GRAD_TOL, i
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"

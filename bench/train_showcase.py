@@ -510,6 +510,19 @@ def parse_args(argv=None):
     return args
 
 
+def graph_caches_off() -> contextlib.ExitStack:
+    """Inductor's FX graph cache and AOTAutograd's cache off for the runs, restored afterwards: both key on the
+    traced graph, which names SDPA, not the backend it dispatches to, so a cached dense graph would serve every
+    backend. Each compiled run then compiles afresh."""
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
 def nsa_over_dense(runs) -> dict:
     """{dense backend: {"<S>" or "<S>_packed": NSA's tok/s over that dense run's}} for every length both ran."""
     ratios: dict = {}
@@ -533,14 +546,6 @@ def main(argv=None) -> dict:
     if device.type != "cuda" and backends != ["auto"]:
         raise SystemExit(f"--dense-backends: fa2 and cudnn need a CUDA device; on {device.type} use auto")
     args.dense_backends = backends
-    if args.compile:
-        # Inductor's and AOTAutograd's caches key on the traced graph, which names SDPA, not the backend it
-        # dispatches to: a cached dense graph would serve every backend. Each run compiles afresh instead.
-        import torch._functorch.config as functorch_config  # noqa: PLC0415
-        import torch._inductor.config as inductor_config  # noqa: PLC0415
-
-        inductor_config.fx_graph_cache = False
-        functorch_config.enable_autograd_cache = False
     seqs = (
         [int(s) for s in args.seq_lens.split(",")]
         if args.seq_lens
@@ -566,33 +571,35 @@ def main(argv=None) -> dict:
         f"{args.accum}, {args.steps} steps, S={seqs}, out {out}"
     )
     rows, runs, skipped = [], [], []
-    for seq in seqs:
-        for packed in (False, True) if args.packed else (False,):
-            plan = [(a, None) for a in args.attention if a == "nsa"]
-            plan += [(a, b) for a in args.attention if a == "dense" for b in backends]
-            for att, backend in plan:
-                if packed and backend == "cudnn":
-                    skipped.append(
-                        {
-                            "attention": att,
-                            "dense_backend": backend,
-                            "seq_len": seq,
-                            "packed": True,
-                            "why": "SDPA has no packed (varlen) cuDNN path",
-                        }
+    with graph_caches_off() if args.compile else contextlib.nullcontext():
+        for seq in seqs:
+            for packed in (False, True) if args.packed else (False,):
+                plan = [(a, None) for a in args.attention if a == "nsa"]
+                plan += [(a, b) for a in args.attention if a == "dense" for b in backends]
+                for att, backend in plan:
+                    if packed and backend == "cudnn":
+                        skipped.append(
+                            {
+                                "attention": att,
+                                "dense_backend": backend,
+                                "seq_len": seq,
+                                "packed": True,
+                                "why": "SDPA has no packed (varlen) cuDNN path",
+                            }
+                        )
+                        log(f"dense/cudnn S={seq} packed: not trained ({skipped[-1]['why']})")
+                        continue
+                    r, s = train(att, seq, packed, args, shape, data, device, dtype, log, backend)
+                    rows += r
+                    runs.append(s)
+                    log(
+                        f"{run_label(att, backend)} S={seq} {'packed ' if packed else ''}: {s['tok_s']:.0f} tok/s "
+                        f"(median step {s['step_ms_median']:.1f} ms), "
+                        f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}"
+                        + (f", peak {s['peak_mib']:.0f} MiB" if s["peak_mib"] is not None else "")
                     )
-                    log(f"dense/cudnn S={seq} packed: not trained ({skipped[-1]['why']})")
-                    continue
-                r, s = train(att, seq, packed, args, shape, data, device, dtype, log, backend)
-                rows += r
-                runs.append(s)
-                log(
-                    f"{run_label(att, backend)} S={seq} {'packed ' if packed else ''}: {s['tok_s']:.0f} tok/s "
-                    f"(median step {s['step_ms_median']:.1f} ms), loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}"
-                    + (f", peak {s['peak_mib']:.0f} MiB" if s["peak_mib"] is not None else "")
-                )
-                if s["attention_kernels"] is not None:
-                    log(f"  attention kernels: {'; '.join(s['attention_kernels']) or '(none)'}")
+                    if s["attention_kernels"] is not None:
+                        log(f"  attention kernels: {'; '.join(s['attention_kernels']) or '(none)'}")
     ratios = nsa_over_dense(runs)
     for backend, per_len in ratios.items():
         for key, r in per_len.items():

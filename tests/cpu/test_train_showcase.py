@@ -188,8 +188,12 @@ def test_compiled_runs_each_trace_afresh(tmp_path, monkeypatch):
     monkeypatch.setattr(TS.torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(TS.torch, "compile", lambda model, mode: model)
     args = ["--tiny", "--steps", "1", "--seq-lens", "32", "--dataset", "pydoc", "--warmup", "0", "--compile"]
+    import torch._inductor.config as inductor_config
+
+    cache = inductor_config.fx_graph_cache
     report = TS.main([*args, "--out", str(tmp_path)])
     assert len(report["runs"]) == 2 and len(resets) == 2
+    assert inductor_config.fx_graph_cache == cache  # the caches are restored: later compiles still use them
 
 
 def test_a_dense_run_whose_forced_backend_did_not_serve_is_caught():
@@ -213,3 +217,13 @@ def test_attention_kernels_keeps_the_gpu_attention_kernels_only():
     ]
     got = TS.attention_kernels(types.SimpleNamespace(events=lambda: events))
     assert got == [events[0].name[:100]]
+
+
+def test_graph_caches_are_off_for_the_runs_only():
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    before = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    with TS.graph_caches_off():
+        assert (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) == (False, False)
+    assert (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) == before

@@ -227,7 +227,7 @@ DENSE_BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "auto": 
 def dense_backend(name: str | None):
     """The SDPA backend context of a dense run. Entered around forward and backward: SDPA (eager, or when
     torch.compile traces it) dispatches to the one backend allowed, or raises when it cannot serve."""
-    member = DENSE_BACKENDS.get(name) if name else None
+    member = DENSE_BACKENDS.get(name)
     if member is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
@@ -410,8 +410,8 @@ def plot(rows, path) -> bool:
         return False
     runs = sorted({(r["seq_len"], r["packed"]) for r in rows})
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    labels = dict.fromkeys(run_label(r["attention"], r["dense_backend"]) for r in rows)
     for ax, (seq, packed) in zip(axes[0], runs):
-        labels = dict.fromkeys(run_label(r["attention"], r["dense_backend"]) for r in rows)
         for label in labels:
             pts = [
                 (r["step"], r["loss"])

@@ -170,8 +170,7 @@ def showcase_summary(out_dir: Path) -> str:
     rep = json.loads((out_dir / "train_showcase.json").read_text())
     parts = []
     for r in sorted(rep["runs"], key=lambda r: (r["seq_len"], r["attention"] != "nsa")):
-        name = "nsa" if r["attention"] == "nsa" else f"dense/{r.get('dense_backend')}"
-        parts.append(f"{name} S={r['seq_len']}: {r['tok_s']:.0f} tok/s, "
+        parts.append(f"{r['label']} S={r['seq_len']}: {r['tok_s']:.0f} tok/s, "
                      f"loss {r['loss_first']:.2f} -> {r['loss_last']:.2f}")
     ratios = ", ".join(f"S={k} vs {backend}: x{v:.2f}"
                        for backend, per_len in rep.get("nsa_over_dense_tok_s", {}).items()

@@ -377,6 +377,7 @@ def train(attention, seq, packed, args, shape, data, device, dtype, log, backend
     summary = {
         "attention": attention,
         "dense_backend": backend,
+        "label": run_label(attention, backend),
         "seq_len": seq,
         "packed": packed,
         "steps": args.steps,

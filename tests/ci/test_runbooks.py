@@ -109,9 +109,9 @@ def test_runbook_report_showcase_line_from_the_showcase_json(tmp_path):
     run = {"loss_first": 5.5, "loss_last": 2.25}
     (tmp_path / "train_showcase.json").write_text(json.dumps({
         "corpus": {"corpus": "pydoc"}, "nsa_over_dense_tok_s": {"fa2": {"2048": 0.5}, "cudnn": {"2048": 0.25}},
-        "runs": [dict(run, attention="dense", dense_backend="fa2", seq_len=2048, tok_s=2000.0),
-                 dict(run, attention="dense", dense_backend="cudnn", seq_len=2048, tok_s=4000.0),
-                 dict(run, attention="nsa", dense_backend=None, seq_len=2048, tok_s=1000.0)]}))
+        "runs": [dict(run, attention="dense", label="dense/fa2", seq_len=2048, tok_s=2000.0),
+                 dict(run, attention="dense", label="dense/cudnn", seq_len=2048, tok_s=4000.0),
+                 dict(run, attention="nsa", label="nsa", seq_len=2048, tok_s=1000.0)]}))
     assert rr.showcase_summary(tmp_path) == (
         "nsa S=2048: 1000 tok/s, loss 5.50 -> 2.25; dense/fa2 S=2048: 2000 tok/s, loss 5.50 -> 2.25; "
         "dense/cudnn S=2048: 4000 tok/s, loss 5.50 -> 2.25; NSA over dense S=2048 vs fa2: x0.50, "

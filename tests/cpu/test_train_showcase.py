@@ -48,6 +48,7 @@ def test_smoke_trains_both_models_dense_and_packed(tmp_path, monkeypatch):
     runs = {(r["attention"], r["packed"]): r for r in report["runs"]}
     assert set(runs) == {("nsa", False), ("dense", False), ("nsa", True), ("dense", True)}
     assert {r["dense_backend"] for r in report["runs"] if r["attention"] == "dense"} == {"auto"}  # CPU's only one
+    assert {r["label"] for r in report["runs"]} == {"nsa", "dense/auto"}  # what the runbook report prints
     for r in runs.values():
         assert r["tokens_per_step"] == 2 * 64 and r["tok_s"] > 0
         assert torch.isfinite(torch.tensor([r["loss_first"], r["loss_last"]])).all()

@@ -1,6 +1,14 @@
 """Launch 2 of a decode step (grid n_split_cmp x B*Hkv): compressed attention, flash-decoding style: each
 program a contiguous share of the visible compressed blocks, its partial, and the raw logits of its blocks
-in a scratch row for the selection scores (and the window's programs when Tuning.window_with_sel=False)."""
+in a scratch row for the selection scores (and the window's programs when Tuning.window_with_sel=False).
+
+Keys and values are read together here, although the scores need only the keys. Reading the keys alone
+(logits, max, sum) and the values in later programs that take the logits from the scratch row measured
+slower in every cell (H200, paper heads, bf16, CUDA graphs). With the values in the scoring launch, 64k x 8
+went from 57.0 to 60.5 us and 64k x 32 from 159.7 to 170.4. With the values in the selection launch, 64k x 8
+went from 52.2 to 54.1 us. The key pass did halve (23.8 -> 13.6 us at 64k x 8), but the launch that took the
+values grew by more than that: the value traffic added to the step's bytes rather than overlapping the
+scoring."""
 
 from __future__ import annotations
 

@@ -17,6 +17,12 @@ key k is queries[offsets[k]:offsets[k+1]], ascending in the token (a stable sort
 (fully masked: u > t for every token), are left out; they sort to the end, past offsets[-1].
 
 Repeated blocks in one row would put the token twice in a list; the entry point deduplicates first.
+
+The reverse index and the work plan (plan_work) launch about 130 small kernels. Fusing every elementwise
+stretch into one Triton kernel (around the same sorts, cumulative sum and gathers; 50 launches, the same
+tensors bit for bit) measured, in CUDA graphs on an H200: 301 -> 191 us at T=8k with one KV head, but
+1031 -> 1198 us at T=64k with four, and no change in the training showcase's compiled 8k step (42.2 ms
+with these ops, 42.4 and 42.6 fused). It was not kept.
 """
 
 from __future__ import annotations

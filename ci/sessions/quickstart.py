@@ -144,7 +144,9 @@ def quickstart(python: str, library: bool = False, if_available: bool = False) -
             (bin_dir / name).symlink_to(exe)
         env = {**clean_env(index_env), "HOME": str(home)}
         env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-        print(f"quickstart: Python {python} ({exe}), cell {cell.id}, fresh clone {clone}, PIP_CONFIG_FILE=/dev/null")
+        addopts = f", PYTEST_ADDOPTS={env['PYTEST_ADDOPTS']!r}" if env.get("PYTEST_ADDOPTS") else ""
+        print(f"quickstart: Python {python} ({exe}), cell {cell.id}, fresh clone {clone}, "
+              f"PIP_CONFIG_FILE=/dev/null{addopts}")
         rc = run_all(with_pip_check(readme_commands()), clone, env)
         if rc == 0 and library:
             mirror = index_env.get(PYTORCH_INDEX_ENV)

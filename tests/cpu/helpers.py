@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -23,6 +24,13 @@ SMALL = {
     "l8d8s8n3i0l0": NSAConfig(block_cmp=8, stride_cmp=8, block_sel=8, n_sel=3, n_init=0, n_local=0, window=8),
     "l16d4s8n5i1l1": NSAConfig(block_cmp=16, stride_cmp=4, block_sel=8, n_sel=5, n_init=1, n_local=1, window=24),
 }
+
+
+
+def slow(*values, id: str | None = None):  # noqa: A002 - pytest.param's own keyword
+    """A case of a parametrized sweep that only the full suite runs (marked `slow`): the quick tier
+    (`-m "not slow"`) keeps the sweep's other cases, which reach the same code."""
+    return pytest.param(*values, id=id, marks=pytest.mark.slow)
 
 
 def make_inputs(gen, B, T, Hq, Hkv, Dk, Dv, dtype=torch.float64, requires_grad=False):

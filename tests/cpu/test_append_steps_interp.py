@@ -34,6 +34,8 @@ from decode_cases import (  # noqa: E402
 
 from nsa import NSAConfig, NSAInputError, PagedNSACache, nsa_decode, nsa_prefill, plan, telemetry  # noqa: E402
 
+from .helpers import slow  # noqa: E402
+
 # window 12: the window ring wraps within the prompts; pages of 4 tokens (half a selection block)
 CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_local=2, window=12)
 PAGE = 4
@@ -92,7 +94,7 @@ def _decode_rest(case, cache, first):
     return torch.stack(outs, dim=1)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [slow(1), 3])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_equal_k_appends_as_kernel_steps(gen, paged, k):
     # cached 5, 18, 30 (ragged): k = 3 completes a compressed block at 7, starts new pages at 20 and 32 and

@@ -23,7 +23,7 @@ from nsa.kernels import ops
 from nsa.model import LlamaBlockNSA, TinyNSALM
 
 from . import backend_fakes
-from .helpers import make_inputs, rel_err
+from .helpers import make_inputs, rel_err, slow
 from .interp import kernel_modules
 
 # torch._dynamo is imported inside the tests, never at collection: once it is imported, Triton kernels that
@@ -220,8 +220,8 @@ def test_fused_pipeline_compiles_to_custom_ops(fused, gen):
     assert telemetry.snapshot()["fallbacks"] == 0
 
 
-@pytest.mark.parametrize("B,T,Dk,Dv,traced", [(1, 27, 16, 16, "fold_view"), (1, 30, 48, 32, "fold_view"),
-                                               (2, 30, 16, 16, "fold_view"), (1, 10, 16, 16, None)])
+@pytest.mark.parametrize("B,T,Dk,Dv,traced", [(1, 27, 16, 16, "fold_view"), slow(1, 30, 48, 32, "fold_view"),
+                                               slow(2, 30, 16, 16, "fold_view"), (1, 10, 16, 16, None)])
 def test_compiled_compressed_branch_folds_by_view(fused, gen, B, T, Dk, Dv, traced):
     """Under compile the compressed branch of dense input runs on rows folded by view as the dense core does (no
     tail: T=27; a tail and V narrower than K; two batch rows), its output handed to the combining operator as

@@ -25,7 +25,7 @@ from nsa.hooks import HOOKS  # noqa: E402
 from nsa.layout import dense_layout, packed_layout  # noqa: E402
 
 from . import backend_fakes  # noqa: E402
-from .helpers import SMALL, make_inputs, rel_err  # noqa: E402
+from .helpers import SMALL, make_inputs, rel_err, slow  # noqa: E402
 
 clean_env = backend_fakes.clean_env
 emulated = backend_fakes.emulated
@@ -75,7 +75,8 @@ def _auto_matches_torch_path(gen, q, k, v, g, cfg, cu=None):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("cfg", CFGS[:3], ids=["l8d4s8", "l8d4s16", "l16d4s8"])
+@pytest.mark.parametrize("cfg", [pytest.param(CFGS[0], id="l8d4s8"), slow(CFGS[1], id="l8d4s16"),
+                                 slow(CFGS[2], id="l16d4s8")])
 def test_fused_matches_torch_path(fused, gen, cfg, packed):
     if packed:
         q, k, v, g, cu = _packed(gen, [0, 1, 7, 8, 0, 33, 20], 4, 2, 16, 8, requires_grad=True)
@@ -166,7 +167,8 @@ def test_topn_kernel_full_chunks_skip_the_mask(gen, monkeypatch, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("block_sel,per_chunk,T", [(16, 32, 620), (24, 64, 900)], ids=["R2", "R3-padded"])
+@pytest.mark.parametrize("block_sel,per_chunk,T", [slow(16, 32, 620, id="R2"),
+                                                   pytest.param(24, 64, 900, id="R3-padded")])
 def test_topn_kernel_tail_shift_matches_tail_dot(gen, monkeypatch, packed, block_sel, per_chunk, T):
     """Both forms of the tail sums (moved from the group tile, or a dot of their own) give the naive top-n,
     over several chunks (the shift carries the last column of one chunk into the next) and passes; R = 3
@@ -373,13 +375,16 @@ def _core_events():
 
 # Small T with the remainders that matter to the core: tail tokens after the folded rows ((T - l + 1) % d,
 # none at T = 27 for l8d4) and a partial last selection block; one case with two batch rows.
-CORE_CASES = [("flash_attn", CFGS[0], 2, 29), ("flash_attn", CFGS[0], 1, 27), ("flash_attn", CFGS[2], 1, 45),
-              ("flash_attn", CFGS[3], 1, 24), ("flash_attn", CFGS[4], 1, 38), ("torch_cudnn", CFGS[0], 1, 29),
-              ("torch_cudnn", CFGS[2], 1, 44)]
+CORE_CASES = [pytest.param("flash_attn", CFGS[0], 2, 29, id="l8d4-B2"),
+              slow("flash_attn", CFGS[0], 1, 27, id="l8d4-notail"),
+              slow("flash_attn", CFGS[2], 1, 45, id="l16d4"),
+              pytest.param("flash_attn", CFGS[3], 1, 24, id="l8d8"),
+              slow("flash_attn", CFGS[4], 1, 38, id="l16d8"),
+              pytest.param("torch_cudnn", CFGS[0], 1, 29, id="cudnn-l8d4"),
+              slow("torch_cudnn", CFGS[2], 1, 44, id="cudnn-l16d4")]
 
 
-@pytest.mark.parametrize("provider,cfg,B,T", CORE_CASES,
-                         ids=["l8d4-B2", "l8d4-notail", "l16d4", "l8d8", "l16d8", "cudnn-l8d4", "cudnn-l16d4"])
+@pytest.mark.parametrize("provider,cfg,B,T", CORE_CASES)
 def test_dense_core_matches_torch_path(fused, gen, provider, cfg, B, T):
     """Outputs, indices and every gradient equal the torch path's, and the core ran (its event)."""
     if provider == "torch_cudnn":
@@ -468,7 +473,8 @@ def _fold_events():
 
 
 @pytest.mark.parametrize("why,fold", [("short", "fold_copy"), ("packed", "fold_copy"), ("v_narrower", "fold_view"),
-                                      ("v_wider", "fold_copy"), ("transposed_q", "fold_copy")])
+                                      slow("v_wider", "fold_copy"),
+                                      slow("transposed_q", "fold_copy")])
 def test_dense_core_serves_every_fused_call(fused, gen, why, fold):
     """Where q cannot be viewed as rows (one row only, packed input, Dk < Dv, a transposed q) the core runs
     the provider's own compressed call; Dk > Dv folds by view with V padded. Same result as the torch path."""
@@ -515,7 +521,7 @@ def _core_against_fp64(gen, cfg, lengths, Hq, Hkv, Dk, Dv, dtype, tol, fold, B=1
 PACKED_LENGTHS = [0, 1, 13, 0, 30, 6]
 
 
-@pytest.mark.parametrize("Dk,Dv", [(16, 16), (24, 16)], ids=["D16", "Dk24-Dv16"])
+@pytest.mark.parametrize("Dk,Dv", [slow(16, 16, id="D16"), pytest.param(24, 16, id="Dk24-Dv16")])
 def test_dense_core_packed_against_fp64(fused, gen, Dk, Dv):
     _core_against_fp64(gen, CFG, PACKED_LENGTHS, 4, 2, Dk, Dv, torch.float32, 2e-5, "fold_copy")
 
@@ -525,7 +531,7 @@ def test_dense_core_packed_without_blocks(fused, gen):
     _core_against_fp64(gen, CFG, [0, 3, 7, 1], 2, 1, 8, 8, torch.float32, 2e-5, "fold_copy")
 
 
-@pytest.mark.parametrize("T", [29, 31], ids=["tail", "no-tail"])
+@pytest.mark.parametrize("T", [pytest.param(29, id="tail"), slow(31, id="no-tail")])
 def test_dense_core_dk_wider_than_dv_against_fp64(fused, gen, T):
     """Dk = 1.5 Dv (the paper's 192 / 128): rows by view with V zero-padded to Dk, the tail likewise; Dk = 48
     runs the selection kernels on two column tiles (32 + 16), as 192 runs on 128 + 64."""
@@ -538,7 +544,8 @@ def test_dense_core_fp16_against_fp64(fused, gen, packed):
                        "fold_copy" if packed else "fold_view")
 
 
-@pytest.mark.parametrize("lengths", [[29], [0, 17, 0, 17, 17]], ids=["one", "three-among-empty"])
+@pytest.mark.parametrize("lengths", [slow([29], id="one"),
+                                     pytest.param([0, 17, 0, 17, 17], id="three-among-empty")])
 def test_packed_sequences_of_one_length_are_the_dense_batch(fused, gen, lengths):
     """cu_seqlens whose non-empty sequences share one length L runs exactly the dense call on [n, L]: the
     same bits, outputs, indices and gradients, the same plan (the compressed branch folded by view)."""

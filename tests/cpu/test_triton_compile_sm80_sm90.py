@@ -81,6 +81,7 @@ def test_every_kernel_compiles_within_the_targets_limits(arch):
         assert "window_fwd" in out and "no TMA copies here" in out, out
 
 
+@pytest.mark.slow
 def test_sm8x_entries_fit_the_a100():
     """The shapes whose sm 9.0 entries do not fit sm 8.0 (top-n at D=256 in 16-bit: 196864 bytes of shared
     memory at 64 heads per group, 28 KB of spills at one; the selection forward in fp32 at 64 heads: 213248
@@ -91,6 +92,7 @@ def test_sm8x_entries_fit_the_a100():
     assert res.stdout.splitlines()[-1].endswith(" 0 failure(s)"), res.stdout
 
 
+@pytest.mark.slow
 def test_a_configuration_past_the_limit_fails():
     """Seeded: the selection forward with 256-token K/V tiles in 4 stages needs about 512 KB of shared memory;
     the check must fail on it (sm 8.0 and 9.0 alike), naming the shared memory."""

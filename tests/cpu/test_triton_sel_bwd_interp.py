@@ -24,6 +24,7 @@ from nsa import NSAConfig, nsa_reference  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
 from nsa.kernels.triton.selection import sel_forward, selected_attention_triton  # noqa: E402
 
+from .helpers import slow  # noqa: E402
 from .test_triton_sel_interp import inputs, random_indices, selected_attention_torch  # noqa: E402
 
 TOL = 1e-5  # fp32 kernel vs fp64: max |got - want| / max(1, max |want|)
@@ -150,8 +151,8 @@ def test_work_plan_covers_each_entry_once(gen):
 
 
 # Dk = 48 and 40: two column tiles (32 + 16, the second full or masked), as the paper's 192 runs as 128 + 64
-@pytest.mark.parametrize("G,Dk,Dv", [(1, 16, 8), (2, 16, 16), (3, 8, 16), (4, 24, 8), (16, 16, 8), (2, 48, 16),
-                                     (1, 40, 8)])
+@pytest.mark.parametrize("G,Dk,Dv", [slow(1, 16, 8), slow(2, 16, 16), (3, 8, 16),
+                                     slow(4, 24, 8), (16, 16, 8), (2, 48, 16), slow(1, 40, 8)])
 def test_grads_vs_fp64(gen, G, Dk, Dv):
     B, T, Hkv, ls, n = 1, 29, 2 if G < 16 else 1, 8, 3
     q, k, v = inputs(gen, B, T, Hkv, G, Dk, Dv)

@@ -25,6 +25,8 @@ from nsa.hooks import HOOKS  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
 from nsa.validation import NSAInputError  # noqa: E402
 
+from .helpers import slow  # noqa: E402
+
 SEL_ENV = ("NSA_USE_TRITON_SEL", "NSA_TRITON_SEL_FORCE", "NSA_SEL_TRITON_ALLOW_GRAD", "NSA_SEL_TRITON_MIN_L",
            "NSA_SEL_BACKEND")
 
@@ -101,7 +103,8 @@ def compare(q, k, v, idx, seq_start, ls, gen, tol=2e-5):
 # Each group size once, with equal and with unequal (non power of two) head dims: G > 1 with Hkv = 2 tells
 # apart every mapping of query heads to KV heads but h * G + g; B = 2 the batch strides. Dk = 48 and 40 run as
 # two column tiles (32 + 16, the second one full or masked), as the paper's 192 runs as 128 + 64.
-@pytest.mark.parametrize("G,Dk,Dv", [(1, 24, 8), (2, 16, 16), (4, 24, 8), (2, 48, 16), (1, 40, 8)])
+@pytest.mark.parametrize("G,Dk,Dv", [slow(1, 24, 8), slow(2, 16, 16), (4, 24, 8), (2, 48, 16),
+                                     slow(1, 40, 8)])
 def test_kernel_matches_torch_dense(gen, copies, G, Dk, Dv):
     B, T, Hkv, ls, n = 2, 29, 2, 8, 3
     q, k, v = inputs(gen, B, T, Hkv, G, Dk, Dv)

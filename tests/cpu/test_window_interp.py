@@ -16,7 +16,7 @@ from nsa import NSAConfig, nsa_attention, plan, telemetry  # noqa: E402
 from nsa.hooks import HOOKS  # noqa: E402
 
 from . import backend_fakes  # noqa: E402
-from .helpers import make_inputs, rel_err  # noqa: E402
+from .helpers import make_inputs, rel_err, slow  # noqa: E402
 
 
 def window_oracle(q, k, v, w, scale):
@@ -164,7 +164,8 @@ CFG = NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, n_init=1, n_loc
 
 # One batch row (the kernels' batch strides: the oracle tests above; the core's: tests/cpu/test_pipeline_interp.py)
 # Dk=96 / Dv=64: Dk as two column tiles (64 + 32) with a narrower V, as the paper's 192 / 128 runs.
-@pytest.mark.parametrize("T,w,Dk,Dv", [(33, 12, 64, 64), (24, 64, 64, 64), (33, 12, 96, 64)])
+@pytest.mark.parametrize("T,w,Dk,Dv", [slow(33, 12, 64, 64), slow(24, 64, 64, 64),
+                                      (33, 12, 96, 64)])
 def test_dense_core_with_triton_window_matches_torch_path(gen, torch_flash_core, T, w, Dk, Dv):
     """Output and every gradient equal the torch path's; the Triton window ran (its event) and the planner
     says so; NSA_TRITON_WINDOW=0 keeps the window on FA-2 with the same result."""

@@ -21,9 +21,10 @@ export UV_NO_SYNC=1 UV_PROJECT_ENVIRONMENT="$py_env"
 if [ -z "${TRITON_INTERPRET+x}" ] && ! python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     export TRITON_INTERPRET=1
 fi
-# The commands stay as written; their pytest runs spread over the cores where pytest-xdist is installed.
-if [ -z "${PYTEST_ADDOPTS+x}" ] && python -c 'import xdist' 2>/dev/null; then
-    export PYTEST_ADDOPTS="-n auto"
+# The commands stay as written; their pytest runs spread over the cores where pytest-xdist is installed, unless
+# PYTEST_ADDOPTS already has -n (its other options, such as -m "not slow", are kept).
+if [[ " ${PYTEST_ADDOPTS:-} " != *" -n "* ]] && python -c 'import xdist' 2>/dev/null; then
+    export PYTEST_ADDOPTS="-n auto ${PYTEST_ADDOPTS:-}"
 fi
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"; rm -f "$ROOT/decode.csv" "$ROOT/decode.json" "$ROOT/decode_gpu_final.csv" "$ROOT/decode_gpu_final.json"' EXIT

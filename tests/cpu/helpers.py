@@ -26,7 +26,6 @@ SMALL = {
 }
 
 
-
 def slow(*values, id: str | None = None):  # noqa: A002 - pytest.param's own keyword
     """A case of a parametrized sweep that only the full suite runs (marked `slow`): the quick tier
     (`-m "not slow"`) keeps the sweep's other cases, which reach the same code."""

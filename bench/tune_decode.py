@@ -1,5 +1,6 @@
 """Launch sweep of the Triton decode step: per variant of nsa.kernels.triton.decode.Tuning, the CUDA-graph
-replay time of one step and each kernel's GPU time, paper heads, bf16, on a filled cache.
+replay time of one step, each kernel's GPU time and where each launch starts and ends within the step, paper
+heads, bf16, on a filled cache.
 
     PYTHONPATH=. python bench/tune_decode.py --cells 65536x8,8192x8,65536x1 --csv decode_tune.csv
     PYTHONPATH=. python bench/tune_decode.py --variants "base:;w8:warps_cmp=8;dv32:dv_tile=32"
@@ -9,6 +10,10 @@ cmp_per_sm=N set target_programs and target_cmp to N programs per SM of the GPU)
 blocks are compared with the first variant's on the same state (max relative error, equal index rows), so a
 faster variant that computes something else shows up at once. Without --variants: the default launch, then one
 change at a time. Prints a table per cell and writes a CSV (JSON sidecar with the environment).
+
+The timeline (`<kernel>_start_us`, `<kernel>_end_us`, `step_span_us`: medians over eager steps queued while the
+GPU sleeps, so the launches wait on the GPU, not on the host) shows what the kernel times cannot: how much of
+each launch overlaps the one before it under programmatic dependent launch, and which launch the step waits on.
 """
 
 from __future__ import annotations
@@ -55,6 +60,13 @@ def parse_variant(text: str, sms: int) -> tuple[str, kd.Tuning]:
     return name or "unnamed", kd.Tuning(**kw)
 
 
+TIMELINE_COLUMNS = (*(f"{k}_{e}_us" for k in SHORT.values() for e in ("start", "end")), "step_span_us")
+
+
+def short_name(kernel: str) -> str:
+    return next((v for k, v in SHORT.items() if k in kernel), "other")
+
+
 def kernel_times(step, steps: int) -> dict[str, float]:
     """GPU us per step of each decode kernel (torch.profiler over `steps` eager steps)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -64,9 +76,45 @@ def kernel_times(step, steps: int) -> dict[str, float]:
     times = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = next((v for k, v in SHORT.items() if k in e.name), "other")
-            times[name] += getattr(e, "device_time_total", 0.0) or e.cuda_time_total
+            times[short_name(e.name)] += getattr(e, "device_time_total", 0.0) or e.cuda_time_total
     return {k: v / steps for k, v in times.items()}
+
+
+def step_timeline(events) -> dict[str, float]:
+    """Median start and end (us) of each kernel relative to its step's first kernel, and the step's span.
+
+    events: (start, end, short name) of the GPU kernels of consecutive steps, in any order; a step begins at each
+    `append` (the step's first launch). A name that occurs twice in a step keeps its first occurrence."""
+    steps: list[dict[str, tuple[float, float]]] = []
+    for start, end, name in sorted(events):
+        if name == "append" or not steps:
+            steps.append({})
+        steps[-1].setdefault(name, (start, end))
+    out: dict[str, float] = {}
+    for name in sorted({n for s in steps for n in s}):
+        spans = [(s[name][0] - min(a for a, _ in s.values()), s[name][1] - min(a for a, _ in s.values()))
+                 for s in steps if name in s]
+        out[f"{name}_start_us"] = statistics.median(a for a, _ in spans)
+        out[f"{name}_end_us"] = statistics.median(b for _, b in spans)
+    out["step_span_us"] = statistics.median(max(b for _, b in s.values()) - min(a for a, _ in s.values())
+                                            for s in steps) if steps else 0.0
+    return out
+
+
+def kernel_timeline(step, steps: int) -> dict[str, float]:
+    """step_timeline of `steps` eager steps, queued behind a GPU sleep so that each launch waits on the GPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(50_000_000)  # tens of ms: longer than queueing the steps takes the host
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return step_timeline((e.time_range.start, e.time_range.end, short_name(e.name)) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name.lower())
+
+
+def format_timeline(tl: dict[str, float]) -> str:
+    parts = [f"{k} {tl[k + '_start_us']:.1f}-{tl[k + '_end_us']:.1f}" for k in SHORT.values() if k + "_start_us" in tl]
+    return "timeline (us) " + " ".join(parts) + f" | step {tl.get('step_span_us', 0.0):.1f}"
 
 
 def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, float]:
@@ -118,12 +166,16 @@ def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
             restore()
             kt = kernel_times(step, args.steps)
             restore()
+            tl = kernel_timeline(step, args.steps)
+            restore()
         rows.append({"S": S, "B": B, "variant": name, "step_us": med, "step_min_us": lo, "step_max_us": hi,
                      **{f"{k}_us": kt.get(k, 0.0) for k in (*SHORT.values(), "other")},
+                     **{c: tl.get(c, float("nan")) for c in TIMELINE_COLUMNS},
                      "rel_err_vs_first": err, "idx_agree_vs_first": same,
                      "splits": kd.workspace_for(cache, Hq).describe(), "tuning": str(dataclasses.asdict(tuning))})
         console().print(f"S={S} B={B} {name:10s} step {med:7.1f} us [{lo:.1f}, {hi:.1f}]  " + " ".join(
             f"{k} {kt.get(k, 0.0):5.1f}" for k in SHORT.values()) + f"  err {err:.1e} idx {same:.3f}")
+        console().print("    " + format_timeline(tl))
     return rows
 
 

@@ -264,6 +264,28 @@ def test_tune_decode_variants_parse():
         tune.parse_variant("x:nope=1", 132)
 
 
+def test_tune_decode_timeline_of_steps():
+    """The decode timeline: each launch's start and end relative to its step's first kernel (a step begins at
+    each append, events in any order), medians over the steps, the step's span; a kernel missing from a step
+    counts only where it ran. Planted figures, so a wrong grouping or reference point changes them."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (the CPU lock pins it)")
+    tune = _load("tune_decode")
+    one = [(100, 102, "append"), (101, 130, "cmp_win"), (129, 136, "score"), (135, 152, "sel"), (151, 160, "combine")]
+    two = [(200, 202, "append"), (201, 232, "cmp_win"), (231, 238, "score"), (237, 254, "sel"),
+           (253, 262, "combine"), (258, 259, "other")]
+    tl = tune.step_timeline(list(reversed(one + two)))
+    assert (tl["append_start_us"], tl["append_end_us"]) == (0, 2)
+    assert (tl["cmp_win_start_us"], tl["cmp_win_end_us"]) == (1, 31)  # medians of 30 and 32
+    assert (tl["sel_start_us"], tl["sel_end_us"]) == (36, 53)
+    assert (tl["other_start_us"], tl["other_end_us"]) == (58, 59)
+    assert tl["step_span_us"] == 61
+    assert set(tune.TIMELINE_COLUMNS) <= set(tl)
+    text = tune.format_timeline(tl)
+    assert "cmp_win 1.0-31.0" in text and "combine 52.0-61.0" in text and text.endswith("step 61.0")
+    assert tune.step_timeline([]) == {"step_span_us": 0.0}
+
+
 def test_bench_decode_config_and_steps(tmp_path):
     """The seeds' `--config configs/base.yaml --steps N`: shapes, S and B from the file (flags override), then
     a prefill + N decode steps through the layer (run_* columns)."""

@@ -117,6 +117,14 @@ MUTATIONS = [
              "nsa/plan/__init__.py",
              "    if min(news) != max(news):", "    if False:",
              ("tests/cpu/test_append_steps_interp.py::test_ragged_k_stays_on_the_torch_append",)),
+    Mutation("selection walk: the own block's last sub-tile holding the query left out",
+             "nsa/kernels/triton/common.py",
+             "(pos - own * block_sel) // BLOCK_N + 1, N_SUB)", "(pos - own * block_sel) // BLOCK_N, N_SUB)",
+             ("tests/cpu/test_triton_sel_interp.py::test_shortened_walk_gives_the_whole_walks_bits[pointers]",)),
+    Mutation("selection walk: a row with an invisible block before a visible one taken as leading",
+             "nsa/kernels/triton/common.py",
+             "    return tl.where(leading, n_it, n_sel * N_SUB)", "    return n_it",
+             ("tests/cpu/test_triton_sel_interp.py::test_walk_ends_after_the_last_visible_tile",)),
 ]
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..config import NSAConfig
+from .indices import dedupe_blocks
 
 # --- selected attention ------------------------------------------------------------------------------------
 
@@ -122,12 +123,8 @@ sel_combine_fwd.register_autograd(_sel_combine_backward, setup_context=_sel_comb
 
 
 def _dedupe(indices: Tensor) -> Tensor:
-    """int32 indices with a block named twice in a row counted once (repeats become -1, which the kernels
-    skip anywhere in a row): the same as nsa.kernels.triton.selection's entry point, traced here."""
-    s = indices.to(torch.int32).sort(dim=-1).values
-    repeat = torch.zeros_like(s, dtype=torch.bool)
-    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    return torch.where(repeat, torch.full_like(s, -1), s)
+    """int32 indices as nsa.kernels.triton.selection's entry point takes them (dedupe_blocks), traced here."""
+    return dedupe_blocks(indices.to(torch.int32))
 
 
 def selected_attention(q, k, v, indices, seq_start, block_sel: int, scale: float) -> Tensor:

@@ -17,11 +17,16 @@ from .interp import kernel_modules
 
 selection, tma = kernel_modules("selection", "tma", probe="selection_bwd._sel_bwd_dq_kernel")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from nsa import plan, telemetry  # noqa: E402
 from nsa.branches.selected import naive  # noqa: E402
 from nsa.config import NSAConfig  # noqa: E402
 from nsa.functional import nsa_attention  # noqa: E402
 from nsa.hooks import HOOKS  # noqa: E402
+from nsa.kernels.indices import dedupe_blocks  # noqa: E402
+from nsa.kernels.triton.common import selected_tiles  # noqa: E402
 from nsa.kernels.triton.selection import selected_attention_triton  # noqa: E402
 from nsa.validation import NSAInputError  # noqa: E402
 
@@ -113,6 +118,64 @@ def test_kernel_matches_torch_dense(gen, copies, G, Dk, Dv):
     idx[0, 5] = -1  # a row with no block at all: output 0, gradient 0
     out = compare(q, k, v, idx, ss, ls, gen)
     assert (out[0, 5] == 0).all()
+
+
+@triton.jit
+def _tiles_kernel(IDX, POS, OUT, n_sel, block_sel, N_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  N_SUB: tl.constexpr):
+    r = tl.program_id(0)
+    pos = tl.load(POS + r).to(tl.int64)
+    tl.store(OUT + r, selected_tiles(IDX + r * n_sel, 1, n_sel, pos, block_sel, N_PAD, BLOCK_N, N_SUB))
+
+
+def test_walk_ends_after_the_last_visible_tile():
+    """common.selected_tiles (blocks of 8 tokens in sub-tiles of 4, 3 slots): rows whose visible blocks come
+    first stop after the last tile holding a visible token, the own block's only up to the query; rows in any
+    other order, or with an invisible block between visible ones, are walked whole."""
+    rows = [  # (ids, pos, iterations)
+        ([0, 1, 2], 20, 6),  # own block 2 to position 4 of 8: both of its sub-tiles
+        ([0, 2, -1], 17, 3),  # own block 2 to position 1: its first sub-tile only
+        ([0, 2, -1], 16, 3),
+        ([1, 2, -1], 19, 3),  # position 3: still the first sub-tile
+        ([-1, 0, 2], 17, 6),  # -1 first (not the top-n step's order): whole walk
+        ([0, 3, -1], 17, 2),  # block 3 starts after the query: left out; block 0 is not the own block
+        ([3, 0, -1], 17, 6),  # an invisible block before a visible one: whole walk
+        ([1, 0, -1], 9, 4),  # descending: the last visible block (0) is not the own one, so both whole
+        ([-1, -1, -1], 3, 0),  # nothing selected
+        ([0, -1, -1], 0, 1),  # the first token
+    ]
+    idx = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+    out = torch.full((len(rows),), -7, dtype=torch.int64)
+    _tiles_kernel[(len(rows),)](idx, pos, out, 3, 8, N_PAD=4, BLOCK_N=4, N_SUB=2)
+    assert out.tolist() == [r[2] for r in rows]
+
+
+def test_shortened_walk_gives_the_whole_walks_bits(gen, copies):
+    """The rows as the top-n step writes them (visible blocks first, -1 padded) and the same rows with their
+    -1 slots moved first, which the kernels walk whole: equal outputs, LSE and gradients to the bit, so every
+    iteration the short walk leaves out was wholly masked."""
+    B, T, Hkv, G, ls, n = 1, 37, 2, 2, 8, 4
+    q, k, v = inputs(gen, B, T, Hkv, G, 16, 16)
+    ss = torch.zeros(B, T, dtype=torch.int32)
+    canon = random_indices(gen, ss, B, T, Hkv, n, ls).to(torch.int32)
+    assert (canon[..., -1] == -1).any() and (canon[..., 0] >= 0).any()
+    pad_first = canon.sort(-1).values  # -1 first, then the same blocks in the same order
+    assert not torch.equal(pad_first, canon)
+    scale = 16 ** -0.5
+    got = [selection.sel_forward(q, k, v, ix, ss, ls, scale) for ix in (canon, pad_first)]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    do = torch.randn(got[0][0].shape, generator=gen)
+    grads = [selection.sel_backward(do, q, k, v, got[0][0], got[0][1], ix, ss, ls, scale) for ix in (canon, pad_first)]
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert torch.equal(a, b), name
+
+
+def test_dedupe_puts_blocks_first():
+    """The entry points' rows: ascending, each block once, -1 after them (so the kernels' walks end early)."""
+    idx = torch.tensor([[3, -1, 0, 3], [-1, -1, -1, -1], [2, 1, 1, 0]], dtype=torch.int32)
+    assert dedupe_blocks(idx).tolist() == [[0, 3, -1, -1], [-1, -1, -1, -1], [0, 1, 2, -1]]
+    assert dedupe_blocks(idx).dtype == torch.int32
 
 
 def test_future_blocks_and_unsorted_user_indices(gen):

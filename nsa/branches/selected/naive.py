@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...config import NSAConfig
+from ...kernels.indices import dedupe_blocks
 from ...layout import SeqLayout
 from ..attend import attend, chunks, compute_dtype
 from ..compressed.naive import visible
@@ -124,14 +125,8 @@ def top_n(q, k_cmp, lse, layout: SeqLayout, cfg: NSAConfig, scale, chunk=None):
 
 
 def dedupe_indices(indices):
-    """User-given indices: drop repeats (a block counts once), keep ascending order, -1 padded."""
-    idx = indices.long()
-    big = torch.iinfo(torch.int64).max
-    s = torch.where(idx >= 0, idx, torch.full_like(idx, big)).sort(dim=-1).values
-    repeat = torch.zeros_like(s, dtype=torch.bool)
-    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    s = torch.where(repeat, torch.full_like(s, big), s).sort(dim=-1).values  # repeats go to the end
-    return torch.where(s == big, torch.full_like(s, -1), s)
+    """User-given indices: drop repeats (a block counts once), keep ascending order, -1 padded (int64)."""
+    return dedupe_blocks(indices.long())
 
 
 def selected_chunk(q, k, v, indices, pos, seq_start, cfg: NSAConfig, scale, *, block_table=None, page_size=None):

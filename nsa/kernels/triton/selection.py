@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..indices import dedupe_blocks
 from . import selection_bwd  # imports triton: nsa.kernels.triton.available() relies on it
 
 LOG2E = 1.4426950408889634
@@ -109,17 +110,8 @@ class SelectedAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _dedupe(indices):
-    """A block named twice in a row counts once (as in the reference): one sort on the device, repeats
-    become -1 (the kernels take -1 anywhere in a row). No host sync."""
-    s = indices.sort(dim=-1).values
-    repeat = torch.zeros_like(s, dtype=torch.bool)
-    repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    return torch.where(repeat, torch.full_like(s, -1), s)
-
-
 def _prep_index(indices, seq_start, B, T, device):
-    idx = _dedupe(indices.to(device=device, dtype=torch.int32))
+    idx = dedupe_blocks(indices.to(device=device, dtype=torch.int32))
     if seq_start is None:
         ss = torch.zeros(B, T, dtype=torch.int32, device=device)
     else:

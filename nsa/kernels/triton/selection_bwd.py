@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..device import on_gpu
 from . import tma
-from .common import bh_program, split_dim
+from .common import bh_program, next_pow2, selected_tiles, split_dim
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
 
 LOG2E = 1.4426950408889634
@@ -161,7 +161,7 @@ def _sel_bwd_dq_kernel(
     Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale, q_off,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False, BLOCK_DK2: tl.constexpr = 0,
+    ACCUMULATE: tl.constexpr = False, BLOCK_DK2: tl.constexpr = 0, N_PAD: tl.constexpr = 16,
 ):
     # ACCUMULATE: DQ holds the other branches' dq; add this branch's to it in fp32 (one rounding, no extra pass).
     # DQ2 holds more of them for tokens [t2_lo, t2_hi) (row t - t2_lo), added the same way.
@@ -206,8 +206,10 @@ def _sel_bwd_dq_kernel(
     idx_base = IDX + b * sib + t * sit + h * sih
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
-    # One flat loop over (selected block, sub-tile): no data-dependent branch, so loads can be pipelined.
-    for it in tl.range(0, n_sel * N_SUB, num_stages=NUM_STAGES):
+    # One flat loop over (selected block, sub-tile): no data-dependent branch, so loads can be pipelined. It
+    # ends after the last tile with a visible token where the row lists its visible blocks first.
+    n_it = selected_tiles(idx_base, sin, n_sel, pos, block_sel, N_PAD, BLOCK_N, N_SUB)
+    for it in tl.range(0, n_it, num_stages=NUM_STAGES):
         i = it // N_SUB
         c = (it % N_SUB) * BLOCK_N
         j = tl.load(idx_base + i * sin).to(tl.int64)
@@ -445,7 +447,7 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale, q_offset,
-    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, **dqc))
+    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, N_PAD=next_pow2(indices.shape[3]), **dqc))
 
     def launches():
         yield dq_launch

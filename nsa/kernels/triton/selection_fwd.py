@@ -19,8 +19,10 @@ keep a multi-token softmax state live, so fewer programs fit per SM and the L2 t
 The block loop is flat and branch-free so Triton can software-pipeline it (num_stages: the K/V tiles of
 the next blocks are copied asynchronously while the current one is computed, by TMA on Hopper: tma.py).
 Iteration `it` takes block it // N_SUB and its sub-tile it % N_SUB (blocks longer than BLOCK_N); a -1 id
-or a token after the query is masked (in the loads, or in the scores of a TMA tile). V is loaded after
-the first dot, so the K and V tiles are never live at once.
+or a token after the query is masked (in the loads, or in the scores of a TMA tile). The walk stops after
+the last tile that holds a visible token where the row lists its visible blocks first (common.selected_tiles:
+the top-n step's rows, whose tokens early in a sequence see fewer than n blocks). V is loaded after the
+first dot, so the K and V tiles are never live at once.
 Online softmax in fp32, exp2 domain. Offsets are int64 where a stride times an index can pass 2**31.
 """
 
@@ -33,7 +35,7 @@ import triton.language as tl
 from ..device import device_capability
 from . import tma
 from .combine import _gates, _segment_off
-from .common import bh_program, load_tile, pv_dot, qk_dot, softmax_step, split_dim
+from .common import bh_program, load_tile, next_pow2, pv_dot, qk_dot, selected_tiles, softmax_step, split_dim
 
 LOG2E = 1.4426950408889634
 
@@ -75,7 +77,7 @@ def _sel_fwd_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
     EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-    BLOCK_DK2: tl.constexpr = 0, EVEN_DK2: tl.constexpr = True,
+    BLOCK_DK2: tl.constexpr = 0, EVEN_DK2: tl.constexpr = True, N_PAD: tl.constexpr = 16,
 ):
     # BLOCK_DK2 > 0: q and K have a second column tile [BLOCK_DK, BLOCK_DK + BLOCK_DK2) (split_dim), its own
     # dot added to the logits; KD2 is its TMA descriptor.
@@ -112,7 +114,8 @@ def _sel_fwd_kernel(
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-            for it in tl.range(0, n_sel * N_SUB, num_stages=STAGES):
+            n_it = selected_tiles(idx_base, sin, n_sel, pos, block_sel, N_PAD, BLOCK_N, N_SUB)
+            for it in tl.range(0, n_it, num_stages=STAGES):
                 i = it // N_SUB
                 c = (it - i * N_SUB) * BLOCK_N
                 j = tl.load(idx_base + i * sin).to(tl.int64)
@@ -222,7 +225,7 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     n = indices.shape[3]
-    meta["N_SUB"] = triton.cdiv(block_sel, meta["BLOCK_N"])
+    meta["N_SUB"], meta["N_PAD"] = triton.cdiv(block_sel, meta["BLOCK_N"]), next_pow2(n)
     meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] <= Dk, meta["BLOCK_DV"] == Dv
     meta["EVEN_DK2"] = meta["BLOCK_DK"] + meta["BLOCK_DK2"] == Dk
     grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import next_pow2 as _np2
+
 
 class Segments:
     """o_cmp as two token ranges: rows of `main` are tokens [lo, lo + len(main)), rows of `tail` the
@@ -44,10 +46,6 @@ class Segments:
         tail = self.tail_ptr
         return (self.main, tail, self.lo, self.hi, self.hi + self.tail.shape[1],
                 *self.main.stride(), *tail.stride())
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import torch
 
 from ..indices import dedupe_blocks
 from . import selection_bwd  # imports triton: nsa.kernels.triton.available() relies on it
+from .common import next_pow2 as _np2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -34,10 +35,6 @@ MAX_BLOCK_G = 64
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_N = 64  # a selection block longer than this is processed in sub-tiles of this many tokens
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def block_g(G: int) -> int:

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from ..device import on_gpu
 from . import tma
-from .common import bh_program, next_pow2, selected_tiles, split_dim
+from .common import bh_program, selected_tiles, split_dim
+from .common import next_pow2 as _np2
 from .reverse_index import ITEM_FIELDS, REDUCE_FIELDS, build_reverse_index, plan_work
 
 LOG2E = 1.4426950408889634
@@ -47,10 +48,6 @@ REDUCE_BLOCK_N = 16
 REDUCE_BLOCK_D = 64
 PROGRAMS_PER_SM = 8
 POISON_OUTPUTS = False  # tests: fill dq/dk/dv with NaN before the kernels (every element must be written)
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def bwd_config(G: int, Dk: int, Dv: int, block_sel: int, dtype: torch.dtype, device: torch.device,
@@ -447,7 +444,7 @@ def backward_launches(do, q, k, v, o, lse, indices, seq_start, block_sel: int, s
         *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *seq_start.stride(), *o.stride(), *do.stride(),
         *lse.stride(), *dq.stride(), *dq2.stride(), t2_lo, t2_hi,
         Hkv, G, Dk, Dv, indices.shape[3], block_sel, qk_scale, scale, q_offset,
-    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, N_PAD=next_pow2(indices.shape[3]), **dqc))
+    ), dict(IEEE=cfg["ieee"], ACCUMULATE=dq_into is not None, N_PAD=_np2(indices.shape[3]), **dqc))
 
     def launches():
         yield dq_launch

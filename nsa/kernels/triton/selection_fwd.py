@@ -35,13 +35,10 @@ import triton.language as tl
 from ..device import device_capability
 from . import tma
 from .combine import _gates, _segment_off
-from .common import bh_program, load_tile, next_pow2, pv_dot, qk_dot, selected_tiles, softmax_step, split_dim
+from .common import bh_program, load_tile, pv_dot, qk_dot, selected_tiles, softmax_step, split_dim
+from .common import next_pow2 as _np2
 
 LOG2E = 1.4426950408889634
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 @triton.jit
@@ -225,7 +222,7 @@ def sel_forward(q, k, v, indices, seq_start, block_sel: int, scale: float, confi
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     n = indices.shape[3]
-    meta["N_SUB"], meta["N_PAD"] = triton.cdiv(block_sel, meta["BLOCK_N"]), next_pow2(n)
+    meta["N_SUB"], meta["N_PAD"] = triton.cdiv(block_sel, meta["BLOCK_N"]), _np2(n)
     meta["EVEN_DK"], meta["EVEN_DV"] = meta["BLOCK_DK"] <= Dk, meta["BLOCK_DV"] == Dv
     meta["EVEN_DK2"] = meta["BLOCK_DK"] + meta["BLOCK_DK2"] == Dk
     grid = (triton.cdiv(T, meta["TOKENS"]), B * Hkv, triton.cdiv(G, meta["BLOCK_G"]))

@@ -49,14 +49,11 @@ import triton.language as tl
 from ..device import device_capability
 from . import tma
 from .common import bh_program, qk_dot, split_dim
+from .common import next_pow2 as _np2
 
 LOG2E = 1.4426950408889634
 MAX_KEEP = 64
 MAX_TAIL = 63  # tail blocks per selection block (block_cmp / stride_cmp - 1)
-
-
-def _np2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 @triton.jit

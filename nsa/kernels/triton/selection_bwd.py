@@ -157,8 +157,8 @@ def _sel_bwd_dq_kernel(
     s2b, s2t, s2h, s2d, t2_lo, t2_hi,
     Hkv, G, Dk, Dv, n_sel, block_sel, qk_scale, sm_scale, q_off,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    N_SUB: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False, BLOCK_DK2: tl.constexpr = 0, N_PAD: tl.constexpr = 16,
+    N_SUB: tl.constexpr, N_PAD: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False, BLOCK_DK2: tl.constexpr = 0,
 ):
     # ACCUMULATE: DQ holds the other branches' dq; add this branch's to it in fp32 (one rounding, no extra pass).
     # DQ2 holds more of them for tokens [t2_lo, t2_hi) (row t - t2_lo), added the same way.

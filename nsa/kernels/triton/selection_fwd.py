@@ -72,9 +72,9 @@ def _sel_fwd_kernel(
     GT, A, A2, W, OUT, a_lo, a_hi, a2_hi,
     sg0, sg1, sg2, sg3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    N_SUB: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
+    N_SUB: tl.constexpr, N_PAD: tl.constexpr, TOKENS: tl.constexpr, STAGES: tl.constexpr, EVEN_DK: tl.constexpr,
     EVEN_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False, COMBINE: tl.constexpr = False,
-    BLOCK_DK2: tl.constexpr = 0, EVEN_DK2: tl.constexpr = True, N_PAD: tl.constexpr = 16,
+    BLOCK_DK2: tl.constexpr = 0, EVEN_DK2: tl.constexpr = True,
 ):
     # BLOCK_DK2 > 0: q and K have a second column tile [BLOCK_DK, BLOCK_DK + BLOCK_DK2) (split_dim), its own
     # dot added to the logits; KD2 is its TMA descriptor.

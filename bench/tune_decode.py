@@ -90,14 +90,15 @@ def step_timeline(events) -> dict[str, float]:
         if name == "append" or not steps:
             steps.append({})
         steps[-1].setdefault(name, (start, end))
+    rel = []  # each step's kernels relative to the start of its first kernel
+    for s in steps:
+        t0 = min(a for a, _ in s.values())
+        rel.append({n: (a - t0, b - t0) for n, (a, b) in s.items()})
     out: dict[str, float] = {}
-    for name in sorted({n for s in steps for n in s}):
-        spans = [(s[name][0] - min(a for a, _ in s.values()), s[name][1] - min(a for a, _ in s.values()))
-                 for s in steps if name in s]
-        out[f"{name}_start_us"] = statistics.median(a for a, _ in spans)
-        out[f"{name}_end_us"] = statistics.median(b for _, b in spans)
-    out["step_span_us"] = statistics.median(max(b for _, b in s.values()) - min(a for a, _ in s.values())
-                                            for s in steps) if steps else 0.0
+    for name in sorted({n for s in rel for n in s}):
+        out[f"{name}_start_us"] = statistics.median(s[name][0] for s in rel if name in s)
+        out[f"{name}_end_us"] = statistics.median(s[name][1] for s in rel if name in s)
+    out["step_span_us"] = statistics.median(max(b for _, b in s.values()) for s in rel) if rel else 0.0
     return out
 
 

@@ -41,6 +41,7 @@ DEFAULT_VARIANTS = (
     "comb_w8:warps_combine=8", "pc16:part_chunk=16", "dv16:dv_tile=16", "p2:programs_per_sm=2",
     "p8:programs_per_sm=8", "st3:stages_cmp=3", "bn32:block_n=32,stages_cmp=3", "cmp_w8:warps_cmp=8",
     "c2:cmp_per_sm=2", "c4:cmp_per_sm=4", "align16:cmp_align=16", "win_in_cmp:window_with_sel=false",
+    "early:early_combine=true", "late:early_combine=false",
 )
 SHORT = {"_append": "append", "_cmp_win": "cmp_win", "_score": "score", "_sel_": "sel", "_combine": "combine"}
 

@@ -81,13 +81,16 @@ def _check_case(case, *, max_len=None, tol=1e-5):
     return cache, idx
 
 
-@pytest.mark.parametrize("window_with_sel, uneven", [(True, False), (False, True)],
-                         ids=["window_in_sel_launch", "window_in_cmp_launch-uneven_cmp_shares"])
-def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel, uneven):
+@pytest.mark.parametrize("window_with_sel, uneven, early", [(True, False, False), (False, True, False),
+                                                           (False, False, True)],
+                         ids=["window_in_sel_launch", "window_in_cmp_launch-uneven_cmp_shares", "early_combine"])
+def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel, uneven, early):
     # 0 -> first blocks; 37 -> window wraps at 40, block at 39, selection block at 40; 70 -> 2 compressed splits
     # uneven: 49 compressed slots in 2 shares of 28 (cmp_align 4): the second tile of the first share is masked
+    # early: the combine merges the compressed and window partials before it waits for the selection's
     extra = dict(cmp_align=4, target_cmp=12) if uneven else {}
-    monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, window_with_sel=window_with_sel, **extra))
+    monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, window_with_sel=window_with_sel,
+                                                          early_combine=early, **extra))
     case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
     cache, _ = _check_case(case, max_len=200 if uneven else None)
     ws = kd.workspace_for(cache, 4)
@@ -360,3 +363,18 @@ def test_programmatic_dependent_launch_is_planned_on_sm90_and_later_only(monkeyp
     assert not kd.pdl_supported(cpu)
     monkeypatch.setattr(HOOKS, "pretend_gpu", (9, 0))
     assert kd.pdl_supported(cpu) is (parts.HAS_GDC and workspace._launch_pdl_option())
+
+
+def test_early_combine_is_planned_where_the_combine_grid_is_small():
+    # (early_combine, window_with_sel) for: PDL or not, combine programs, SMs
+    auto = kd.Tuning()
+    assert kd.plan_combine(auto, True, 64, 132) == (True, False)  # 64k x 1: the window moves to launch 2
+    assert kd.plan_combine(auto, True, 264, 132) == (True, False)  # 2 per SM
+    assert kd.plan_combine(auto, True, 265, 132) == (False, True)  # 64k x 8 has 512
+    assert kd.plan_combine(auto, False, 64, 132) == (False, True)  # no PDL: nothing starts early
+    assert kd.plan_combine(auto, True, 64, 0) == (False, True)  # the interpreter
+    assert kd.plan_combine(kd.Tuning(window_with_sel=True), True, 64, 132) == (False, True)
+    assert kd.plan_combine(kd.Tuning(early_combine=False), True, 64, 132) == (False, True)
+    assert kd.plan_combine(kd.Tuning(early_combine=True), False, 9999, 132) == (True, False)
+    with pytest.raises(ValueError, match="early_combine needs window_with_sel=False"):
+        kd.plan_combine(kd.Tuning(early_combine=True, window_with_sel=True), True, 64, 132)

@@ -163,15 +163,23 @@ def test_generate_with_cuda_graph_equals_eager():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_programmatic_dependent_launch_changes_nothing(gen, dtype, monkeypatch):
+@pytest.mark.parametrize("knob", ["pdl", "early_combine"])
+def test_launch_plan_changes_nothing(gen, dtype, knob, monkeypatch):
+    """The same bits with programmatic dependent launch and without, and with the combine started early
+    (merging the compressed and window partials while the selection runs, the window's programs in the
+    compressed launch) and after the selection."""
     if not kd.pdl_supported(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs a GPU of sm 9.0 or later and Triton 3.4 or later")
+        pytest.skip("programmatic dependent launch (and the early combine) needs a GPU of sm 9.0 or later and "
+                    "Triton 3.4 or later")
     case = make_case(gen, CONFIGS["paper"], [1, 500, 1100, 2047], 20, 16, 2, 64, 64, dtype=dtype, device="cuda")
     runs = {}
-    for pdl in (True, False):
-        monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, pdl=pdl))
+    for on in (True, False):
+        monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, **{knob: on}))
         cache = prefill_cache(case)
-        runs[pdl] = decode_all(case, cache, "triton")
-        assert kd.workspace_for(cache, 16).pdl is pdl
+        runs[on] = decode_all(case, cache, "triton")
+        ws = kd.workspace_for(cache, 16)
+        assert getattr(ws, knob) is on
+        if knob == "early_combine":
+            assert ws.window_with_sel is not on
     assert torch.equal(runs[True][1], runs[False][1])
     assert torch.equal(runs[True][0], runs[False][0])

@@ -28,7 +28,9 @@ row is loaded once per group. Softmax state is fp32 in the exp2 domain (logits *
    -1 padded). The window programs attend their share of the window ring's slots, partials like step 2.
    (Tuning.window_with_sel=False moves them into step 2's launch.)
 5. combine (grid B*Hkv x Dv tiles): merges each branch's partials, applies the gates, writes o, and
-   publishes cache_seqlens[b] = t + 1 (the only write to the lengths).
+   publishes cache_seqlens[b] = t + 1 (the only write to the lengths). Where it has at most 2 programs per
+   SM (Tuning.early_combine), it starts with the selection programs and merges the compressed and window
+   partials (the window's programs then in launch 2) before it waits for the selection's.
 
 On sm 9.0 and later, launches 2-5 are programmatic dependent launches (Tuning.pdl): each starts as the
 programs of the one before it finish their main loop, loads what the step was given (the queries, the gates)
@@ -53,7 +55,7 @@ from .combine import _combine_kernel
 from .parts import _attend_tile, _fold_parts, _load_parts, _merge_parts, _store_partial, _window_partial
 from .score_topk import _score_topk_kernel
 from .sel import _merge_candidates, _sel_kernel
-from .workspace import DecodeWorkspace, Tuning, _cdiv, pdl_supported
+from .workspace import DecodeWorkspace, Tuning, _cdiv, pdl_supported, plan_combine
 
 TUNING = Tuning()  # the launcher's default (tests and bench/tune_decode.py replace it)
 
@@ -143,7 +145,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ws.slots_per_split, qk_scale, *pages["args"],
         BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
         NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
-        IEEE=ieee, **pages["meta"], PDL=ws.pdl,
+        IEEE=ieee, **pages["meta"], PDL=ws.pdl, EARLY_NEXT=ws.early_combine,
         **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel", ws.pdl),
     )
     _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
@@ -151,13 +153,14 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
         ws.n_split_cmp, ws.n_split_win,
         BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN,
-        CHUNK_SEL=ws.CHUNK_SEL, PDL=ws.pdl,
+        CHUNK_SEL=ws.CHUNK_SEL, PDL=ws.pdl, EARLY=ws.early_combine,
         **_launch_opts(device, ws.tuning.warps_combine, pdl=ws.pdl),
     )
     return out, idx
 
 
-__all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "pdl_supported", "workspace_for",
+__all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "pdl_supported", "plan_combine",
+           "workspace_for",
            "_append_kernel", "_attend_tile", "_cmp_win_kernel", "_combine_kernel", "_fold_parts", "_load_parts",
            "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_store_partial",
            "_window_partial"]

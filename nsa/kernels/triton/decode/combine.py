@@ -1,6 +1,10 @@
 """Launch 5 of a decode step (grid B*Hkv x Dv tiles): merges each branch's partials, applies the gates,
 writes o and publishes cache_seqlens[b] = t + 1 (the only write to the lengths).
 
+EARLY (Tuning.early_combine; the plan's default where the combine has at most 2 programs per SM): the launch
+starts while the selection programs run and merges the compressed and window partials before it waits for
+theirs (nsa.kernels.triton.decode.workspace.plan_combine has the measurements).
+
 Many small programs, not one per (b, KV head): folding this launch into the selection launch, where the last
 program of each (b, KV head) to finish (an atomic ticket) merged all its partials, measured twice as slow
 (H100, paper heads, bf16, CUDA-graph replay: 64k x 8 60.6 -> 120.5 us, 8k x 8 30.5 -> 80.7; 106-128 us at
@@ -21,7 +25,7 @@ def _combine_kernel(
     POS, SEQ, PM, PL, PACC, GATES, OUT,
     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
-    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr,
+    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
     bh = tl.program_id(0).to(tl.int64)
     dt = tl.program_id(1)
@@ -37,6 +41,33 @@ def _combine_kernel(
     g_sel = tl.load(gp + sg_c, mask=g_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gp + 2 * sg_c, mask=g_ok, other=0.0).to(tl.float32)
     p1 = n_cmp_parts + n_win_parts
+    if EARLY:
+        # Launched as the selection programs start (they let it start right after their own wait), not as they
+        # end: the compressed and window partials (earlier launches, complete before the selection programs'
+        # wait returned) are merged while the selection runs; after the wait only its partials remain. The
+        # sums are added in the order of the other path, so both give the same bits.
+        mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                 CHUNK_CMP)
+        mw, lw, aw = _load_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                 CHUNK_WIN)
+        o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, mc, lc, ac, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
+                             BLOCK_DV, CHUNK_CMP)
+        o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, mw, lw, aw, rg, rdv, dv_ok, BLOCK_G,
+                             DV_TILE, BLOCK_DV, CHUNK_WIN)
+        o_c = g_cmp[:, None] * o_cmp
+        o_w = g_win[:, None] * o_win
+        _wait_previous(PDL)
+        ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                  CHUNK_SEL)
+        o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, ms, ls, as_, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
+                             BLOCK_DV, CHUNK_SEL)
+        o = o_c + g_sel[:, None] * o_sel + o_w
+        tl.store(OUT + b * so_b + heads[:, None] * so_h + rdv[None, :], o.to(OUT.dtype.element_ty),
+                 mask=g_ok[:, None] & dv_ok[None, :])
+        if h == 0:
+            if dt == 0:
+                tl.store(SEQ + b, tl.load(POS + b) + 1)
+        return
     _wait_previous(PDL)  # the partials of the selection launch (the gates are a step input)
     # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
     # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.

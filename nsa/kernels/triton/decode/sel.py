@@ -57,7 +57,7 @@ def _sel_kernel(
     BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_NEXT: tl.constexpr = False,
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -76,6 +76,8 @@ def _sel_kernel(
         # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
         # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
         _wait_previous(PDL)
+        if EARLY_NEXT:  # the early combine (combine.py): it starts now and merges the other branches meanwhile
+            _let_next_start(PDL)
         srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
         rk = tl.arange(0, N_PAD)
         if sp == 0:
@@ -101,5 +103,6 @@ def _sel_kernel(
             _, m_i, l_i, acc = _attend_tile(
                 q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
                 ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
-        _let_next_start(PDL)
+        if not EARLY_NEXT:
+            _let_next_start(PDL)
         _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

@@ -75,9 +75,13 @@ class Tuning:
         an SM holds at once; with target_programs set: that, rounded up per (b, KV head)).
     cmp_align: compressed blocks per program are a multiple of this (default block_n: whole tiles; 16 gave
         64k x 8 12 programs of 5.5 tiles per (b, KV head) instead of 11 of 6, and measured no faster).
-    window_with_sel: the window's programs run in the selection launch (default), else in the compressed one.
-        The window needs no scores; beside the selection programs, which wait on the candidate merge, its
-        memory traffic overlaps theirs instead of lengthening the compressed launch, the longest of the step.
+    window_with_sel: the window's programs run in the selection launch (default, unless the combine starts
+        early), else in the compressed one. The window needs no scores; beside the selection programs, which
+        wait on the candidate merge, its memory traffic overlaps theirs instead of lengthening the compressed
+        launch, the longest of the step.
+    early_combine: the combine launch starts as the selection programs start, merges the compressed and
+        window partials meanwhile and waits only for the selection's (needs window_with_sel=False; default:
+        where PDL runs and the combine has at most 2 programs per SM: plan_combine).
     pdl: programmatic dependent launch of launches 2-5 (default: where the GPU (sm 9.0 and later) and Triton
         (3.4 and later) have it). Each launch then starts while the one before it ends and waits on the
         device for its results, so launch latency and the previous launch's tail overlap; the window
@@ -100,8 +104,26 @@ class Tuning:
     min_tiles: int = 3
     target_cmp: int | None = None
     cmp_align: int | None = None
-    window_with_sel: bool = True
+    window_with_sel: bool | None = None
+    early_combine: bool | None = None
     pdl: bool | None = None
+
+
+def plan_combine(tuning: Tuning, pdl: bool, combine_programs: int, sms: int) -> tuple[bool, bool]:
+    """(early_combine, window_with_sel) of a launch plan: Tuning's choice, else an early combine where PDL
+    runs and the combine has at most 2 programs per SM, its window programs then in the compressed launch
+    (the early combine reads their partials before it waits). Measured on an H100, paper heads, bf16, CUDA
+    graphs (us per step, before -> after): 64k x 1 23.6 -> 21.4, 128k x 1 31.9 -> 26.8, 64k x 2 28.2 -> 25.0,
+    16k x 2 22.3 -> 20.3, 8k x 4 24.1 -> 23.1, 64k x 4 44.1 -> 43.6; but 8k x 8 30.6 -> 31.8 and 64k x 8
+    61.0 -> 64.0-67.0: there the 512 combine programs, resident while they wait, crowd the selection's."""
+    early = tuning.early_combine
+    if early is None:
+        early = pdl and tuning.window_with_sel is not True and 0 < combine_programs <= 2 * sms
+    if early and tuning.window_with_sel:
+        raise ValueError("Tuning: early_combine needs window_with_sel=False: the combine reads the window's "
+                         "partials before it waits, so the window's programs must run in the compressed launch")
+    window_with_sel = tuning.window_with_sel if tuning.window_with_sel is not None else not early
+    return bool(early), bool(window_with_sel)
 
 
 class DecodeWorkspace:
@@ -145,10 +167,6 @@ class DecodeWorkspace:
         self.slots_per_prog = _cdiv(cfg.n_sel, min(sel_splits, cfg.n_sel))
         self.n_split_sel = _cdiv(cfg.n_sel, self.slots_per_prog)
         self.n_parts = self.n_split_cmp + self.n_split_win + self.n_split_sel
-        self.window_with_sel = tuning.window_with_sel
-        win = self.n_split_win
-        self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
-        self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
         self.NJ = cfg.n_sel_blocks(cache.max_len)
         # 32 selection blocks per scoring program: many short programs (the scoring launch is latency-bound;
         # H100, paper heads, 64k x 32: 23.2 -> 19.8 us against 64) and a cheap rank-based top-n per chunk,
@@ -175,6 +193,10 @@ class DecodeWorkspace:
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
         self.pdl = bool(tuning.pdl is not False and pdl_supported(device))
+        self.early_combine, self.window_with_sel = plan_combine(tuning, self.pdl, BH * _cdiv(Dv, self.DV_TILE), sms)
+        win = self.n_split_win
+        self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
+        self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
         if on_gpu(device):
             smem, elem, low = _max_shared_mem(device), cache.dtype.itemsize, cache.dtype != torch.float32
             kv_row, q_bytes = (self.BLOCK_DK + self.BLOCK_DV) * elem, self.BLOCK_G * self.BLOCK_DK * elem
@@ -199,4 +221,4 @@ class DecodeWorkspace:
         win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
                 f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}"
-                + ("/pdl" if self.pdl else ""))
+                + ("/early" if self.early_combine else "") + ("/pdl" if self.pdl else ""))

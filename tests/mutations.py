@@ -125,9 +125,10 @@ MUTATIONS = [
              "nsa/kernels/triton/common.py",
              "    return tl.where(leading, n_it, n_sel * N_SUB)", "    return n_it",
              ("tests/cpu/test_triton_sel_interp.py::test_walk_ends_after_the_last_visible_tile",)),
-    Mutation("decode early combine: the window branch left out of the output",
+    Mutation("decode combine: the window branch left out of the output",
              "nsa/kernels/triton/decode/combine.py",
-             "o = o_c + g_sel[:, None] * o_sel + o_w", "o = o_c + g_sel[:, None] * o_sel",
+             "o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win",
+             "o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel",
              ("tests/cpu/test_decode_triton_interp.py::test_kernels_ragged_decode_equals_prefill",)),
 ]
 

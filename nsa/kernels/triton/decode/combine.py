@@ -46,8 +46,7 @@ def _combine_kernel(
     if EARLY:
         # Launched as the selection programs start (they let it start right after their own wait), not as they
         # end: the compressed and window partials (earlier launches, complete before the selection programs'
-        # wait returned) are merged while the selection runs; after the wait only its partials remain. The
-        # sums are added in the order of the other path, so both give the same bits.
+        # wait returned) are merged while the selection runs; after the wait only its partials remain.
         mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
                                  CHUNK_CMP)
         mw, lw, aw = _load_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
@@ -56,33 +55,24 @@ def _combine_kernel(
                              BLOCK_DV, CHUNK_CMP)
         o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, mw, lw, aw, rg, rdv, dv_ok, BLOCK_G,
                              DV_TILE, BLOCK_DV, CHUNK_WIN)
-        o_c = g_cmp[:, None] * o_cmp
-        o_w = g_win[:, None] * o_win
         _wait_previous(PDL)
         ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
                                   CHUNK_SEL)
-        o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, ms, ls, as_, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
-                             BLOCK_DV, CHUNK_SEL)
-        o = o_c + g_sel[:, None] * o_sel + o_w
-        tl.store(OUT + b * so_b + heads[:, None] * so_h + rdv[None, :], o.to(OUT.dtype.element_ty),
-                 mask=g_ok[:, None] & dv_ok[None, :])
-        if h == 0:
-            if dt == 0:
-                tl.store(SEQ + b, tl.load(POS + b) + 1)
-        return
-    _wait_previous(PDL)  # the partials of the selection launch (the gates are a step input)
-    # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
-    # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.
-    mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
-                             CHUNK_CMP)
-    mw, lw, aw = _load_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
-                             CHUNK_WIN)
-    ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
-                              CHUNK_SEL)
-    o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, mc, lc, ac, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
-                         BLOCK_DV, CHUNK_CMP)
-    o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, mw, lw, aw, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
-                         BLOCK_DV, CHUNK_WIN)
+    else:
+        _wait_previous(PDL)  # the partials of the selection launch (the gates are a step input)
+        # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
+        # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.
+        mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                 CHUNK_CMP)
+        mw, lw, aw = _load_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                 CHUNK_WIN)
+        ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
+                                  CHUNK_SEL)
+        o_cmp = _merge_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, mc, lc, ac, rg, rdv, dv_ok, BLOCK_G,
+                             DV_TILE, BLOCK_DV, CHUNK_CMP)
+        o_win = _merge_parts(PM, PL, PACC, bh, n_parts, n_cmp_parts, p1, mw, lw, aw, rg, rdv, dv_ok, BLOCK_G,
+                             DV_TILE, BLOCK_DV, CHUNK_WIN)
+    # Both paths add the same sums in the same order, so they give the same bits.
     o_sel = _merge_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, ms, ls, as_, rg, rdv, dv_ok, BLOCK_G, DV_TILE,
                          BLOCK_DV, CHUNK_SEL)
     o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win

@@ -54,6 +54,12 @@ between batches, untimed):
                   one query over all S+1 keys, GQA natively (no K/V copy; dense_backend says which backend
                   ran); eager and graph; dense_ms = the faster. Ragged rows: SDPA over the longest sequence
                   (what a padded dense batch costs), dense_backend "...+padded"
+  read_floor_ms   the fastest the device reads kv_bytes: one torch.sum over a buffer of that many bytes,
+                  captured in a CUDA graph and replayed (re-read every replay, as every step re-reads its
+                  K/V, so what stays in L2 between calls counts for both alike); CUDA only.
+                  floor_frac = read_floor_ms / step_ms; speedup_ceiling = dense_ms / read_floor_ms: the most
+                  a step reading these bytes could gain on dense decode, with nothing but its reads (small
+                  reads do not reach the HBM limit: on an H100 a 64 MiB read ran at 2.2 TB/s, 1 GiB at 3.0)
   speedup_vs_dense = dense_ms / step_ms; fa_kvcache_ms: flash_attn_with_kvcache (ragged natively), when the
                   flash-attn package is installed
   check_rel_err / check_idx_agree  the step's output and blocks against the torch step on the same state
@@ -112,7 +118,8 @@ COLUMNS = [
     "branch_force_mode", "device", "dtype", "backend", "prefill_ms", "step_ms", "step_eager_ms", "step_graph_ms",
     "layer_step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms", "win_ms", "cmp_blocks", "kv_bytes", "kv_bytes_cmp",
     "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio", "tbps", "hbm_tbps", "hbm_frac",
-    "dense_ms", "dense_eager_ms", "dense_graph_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
+    "read_floor_ms", "floor_frac", "speedup_ceiling", "dense_ms", "dense_eager_ms", "dense_graph_ms",
+    "dense_backend", "dense_tbps", "dense_tok_per_s",
     "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
     "target_programs", "splits", "run_steps", "run_prefill_ms", "run_decode_ms", "run_tok_per_s",
     "decode_tok_per_s", "run_finite", "cache", "page_size",
@@ -299,6 +306,17 @@ def eager_and_graph(fn, restore, device, args, after_capture=None) -> tuple[floa
     replay = time_steps(graph.replay, restore, device, args.inner, args.repeats)
     del graph
     return eager, replay
+
+
+def read_floor_ms(n_bytes: int, device, args) -> float | None:
+    """Ms of the fastest read of n_bytes on a CUDA device (one torch.sum over a bf16 buffer of that size, graph
+    replay); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    buf = torch.randn(max(1, n_bytes // 2), device=device, dtype=torch.bfloat16)
+    res = torch.empty((), device=device, dtype=torch.bfloat16)
+    eager, graph = eager_and_graph(lambda: torch.sum(buf, out=res), lambda: None, device, args)
+    return min(x for x in (eager, graph) if x is not None)
 
 
 def hbm_tbps(device) -> float | None:
@@ -502,6 +520,10 @@ def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dty
         row["dense_tbps"] = row["dense_kv_bytes"] / (row["dense_ms"] * 1e-3) / 1e12
         row["dense_tok_per_s"] = B / (row["dense_ms"] / 1e3)
         row["speedup_vs_dense"] = row["dense_ms"] / row["step_ms"]
+        row["read_floor_ms"] = read_floor_ms(row["kv_bytes"], device, args)
+        if row["read_floor_ms"]:
+            row["floor_frac"] = row["read_floor_ms"] / row["step_ms"]
+            row["speedup_ceiling"] = row["dense_ms"] / row["read_floor_ms"]
         fa = fa_kvcache_fn(cache, q, k, v, lengths) if device.type == "cuda" else None
         if fa is not None:
             fa_eager, fa_graph = eager_and_graph(fa, lambda: None, device, args)
@@ -721,12 +743,12 @@ def main(argv=None) -> int:
     title = f"NSA decode ({device_name(device)}, {rows[0]['dtype']}"
     if args.fill:
         print_table(title + ")",
-                    ["preset", "S", "B", "ragged", "cache", "step ms", "eager ms", "KV read", "TB/s", "dense ms",
-                     "x dense", "fa_kvcache", "check"],
+                    ["preset", "S", "B", "ragged", "cache", "step ms", "eager ms", "KV read", "TB/s", "read floor ms",
+                     "dense ms", "x dense", "x ceiling", "fa_kvcache", "check"],
                     [[r["preset"], r["S"], r["B"], r["ragged"] or "-",
                       r["cache"] + (f" {r['page_size']}" if r["page_size"] else ""), f(r["step_ms"]),
-                      f(r["step_eager_ms"]), fmt_bytes(r["kv_bytes"]), f(r["tbps"], 2), f(r.get("dense_ms")),
-                      f(r.get("speedup_vs_dense"), 2),
+                      f(r["step_eager_ms"]), fmt_bytes(r["kv_bytes"]), f(r["tbps"], 2), f(r.get("read_floor_ms"), 4),
+                      f(r.get("dense_ms")), f(r.get("speedup_vs_dense"), 2), f(r.get("speedup_ceiling"), 2),
                       f(r.get("fa_kvcache_ms")), f(r.get("check_rel_err"), 4)] for r in rows], con)
     else:
         print_table(title + f", B={args.B}, Hq={args.heads}, Hkv={args.groups}, dk={args.dk}, dv={args.dv}, "

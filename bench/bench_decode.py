@@ -315,7 +315,7 @@ def read_floor_ms(n_bytes: int, device, args) -> float | None:
         return None
     buf = torch.randn(max(1, n_bytes // 2), device=device, dtype=torch.bfloat16)
     res = torch.empty((), device=device, dtype=torch.bfloat16)
-    eager, graph = eager_and_graph(lambda: torch.sum(buf, out=res), lambda: None, device, args)
+    eager, graph = eager_and_graph(lambda: torch.sum(buf, dim=0, out=res), lambda: None, device, args)
     return min(x for x in (eager, graph) if x is not None)
 
 

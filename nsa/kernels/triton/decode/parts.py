@@ -140,7 +140,9 @@ def _fold_parts(m, lsum, acc, m_p, l_p, a_p):
 def _merge_parts(PM, PL, PACC, bh, n_parts, p0, p1, m_p, l_p, a_p, rg, rdv, dv_ok, BLOCK_G: tl.constexpr,
                  DV_TILE: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
     """Softmax-merge partials [p0, p1) of one (b, KV head), the first CHUNK of them already loaded (m_p, l_p,
-    a_p): the normalised output [G, DV_TILE] (0 if empty)."""
+    a_p): the normalised output [G, DV_TILE] (0 if empty). An online fold of one [G, DV_TILE] partial at a
+    time instead (unrolled by CHUNK, each thread folding only its own elements, no reduction across threads)
+    measured slower: H100, paper heads, the combine launch 64k x 1 4.6 -> 11.7 us, 64k x 8 6.4 -> 8.6."""
     m, lsum, acc = _fold_parts(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
                                tl.zeros([BLOCK_G, DV_TILE], tl.float32), m_p, l_p, a_p)
     for c0 in range(p0 + CHUNK, p1, CHUNK):

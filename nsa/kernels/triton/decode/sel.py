@@ -39,7 +39,9 @@ def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.c
     # merge is about 3 us of the launch's 17 (without it, blocks fixed: 14.4 us); the attention about 7. Nor did
     # ranking the first 4 candidates of every chunk all against all (exact where no chunk holds more than 4 of
     # the winners, else these rounds): [32, 256] int64 comparison tiles per step of 32, 64k x 8 merge 5.9 ->
-    # 40 us per program, 64k x 1 4.4 -> 17 (per-program timestamps; the check held in every program).
+    # 40 us per program, 64k x 1 4.4 -> 17 (per-program timestamps; the check held in every program). Nor did
+    # tl.topk (a bitonic top-16) of the padded keys: steps 64k x 8 60.8 -> 61.2 us, 64k x 1 21.0 -> 21.9, 64k x 32
+    # 180.4 -> 186.3; only 8k x 8, with an eighth as many candidates, gained (30.2 -> 29.2).
     rc = tl.arange(0, NC_PAD)
     keys = tl.load(CAND + bh * n_cand + rc, mask=rc < n_cand, other=-1)
     for r in range(0, need):

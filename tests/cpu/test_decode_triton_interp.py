@@ -263,24 +263,27 @@ def _merge_probe(CAND, OUT, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.const
 
 @pytest.mark.parametrize("n_sel,n_init,n_local,n_chunks", [(16, 1, 2, 17), (7, 0, 0, 5), (13, 2, 3, 3), (4, 1, 1, 1)])
 def test_candidate_merge_takes_the_forced_blocks_and_the_best_keys(n_sel, n_init, n_local, n_chunks):
-    # Each chunk's candidates: its best keys in descending order, -1 padded (what the scoring kernel writes);
-    # equal scores across chunks break ties by block index inside the key. The merge must give the forced
-    # blocks plus the best `need` keys overall, ascending, -1 padded.
+    # Each chunk's candidates: its best n - n_init - n_local keys in descending order, -1 padded (what the
+    # scoring kernel writes: no step selects more free blocks); equal scores across chunks break ties by block
+    # index inside the key. The merge must give the forced blocks plus the best `need` free blocks of all the
+    # chunks (not only of what they wrote), ascending, -1 padded.
     gen = torch.Generator().manual_seed(n_sel * 100 + n_chunks)
     block_sel, cj = 64, 8
+    k_free = max(1, n_sel - n_init - n_local)  # the workspace's K_FREE
     for t in (0, 70, 5 * 64 + 3, 40 * 64 + 63):
         jt = t // block_sel
         forced = sorted(set(range(min(jt + 1, n_init))) | set(range(max(0, jt - n_local + 1), jt + 1)))
-        lists = []
+        lists, every = [], []
         for c in range(n_chunks):
             js = [j for j in range(c * cj, (c + 1) * cj) if j <= jt and j not in forced]
             score = torch.randint(0, 4, (len(js),), generator=gen).float() / 4  # many exact ties
             keys = [(int(torch.tensor(float(s)).view(torch.int32)) << 32) + (2**31 - 1 - j) for s, j in zip(score, js)]
-            keys = sorted(keys, reverse=True)[:n_sel]
-            lists.append(keys + [-1] * (n_sel - len(keys)))
+            every += keys
+            keys = sorted(keys, reverse=True)[:k_free]
+            lists.append(keys + [-1] * (k_free - len(keys)))
         cand = torch.tensor(sum(lists, []), dtype=torch.int64)
         need = n_sel - len(forced)
-        best = sorted((k for k in cand.tolist() if k >= 0), reverse=True)[:max(need, 0)]
+        best = sorted(every, reverse=True)[:max(need, 0)]
         want = sorted(forced + [2**31 - 1 - (k & 0xFFFFFFFF) for k in best])
         want += [-1] * (n_sel - len(want))
         out = torch.full((n_sel,), -7, dtype=torch.int64)

@@ -19,8 +19,9 @@ row is loaded once per group. Softmax state is fp32 in the exp2 domain (logits *
    for a chunk of selection blocks j: score[j] = sum over the compressed blocks overlapping j (fixed
    order) of sum over the G heads (one reduction, the same for every block) of exp2(logit - lse). Every
    block's score goes through the same operations in the same order, so mathematically equal inputs give
-   bitwise-equal scores. The chunk's best n non-forced candidates, as int64 keys (score bits << 32 |
-   (2^31 - 1 - j)): larger key = higher score, then lower index, exactly the tie rule of top_n_blocks.
+   bitwise-equal scores. The chunk's best n - n_init - n_local non-forced candidates (no step selects more),
+   as int64 keys (score bits << 32 | (2^31 - 1 - j)): larger key = higher score, then lower index, exactly the
+   tie rule of top_n_blocks.
 4. selected + window attention (grid (n_split_sel + n_split_win) x B*Hkv): each selection program merges
    the chunks' candidates (the global top-n of the candidates is the top-n of the chunks' top-n), adds the
    forced blocks (first n_init, the n_local ending at t // l'), sorts the set ascending, then attends its
@@ -135,7 +136,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
         Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
-        N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
+        N_LOCAL=cfg.n_local, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
         SPLIT_PAD=ws.SPLIT_PAD, PDL=ws.pdl, **_launch_opts(device, ws.tuning.warps_score, pdl=ws.pdl),
     )
     _sel_kernel[(ws.grid_sel, BH)](

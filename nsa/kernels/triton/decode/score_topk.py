@@ -1,5 +1,6 @@
 """Launch 3 of a decode step (grid n_chunks x B*Hkv): the log-sum-exp of each head from the partials, the
-selection scores of a chunk of selection blocks, and the chunk's best n non-forced candidates."""
+selection scores of a chunk of selection blocks, and the chunk's best n - n_init - n_local
+non-forced candidates (as many free blocks as a step can select)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _score_topk_kernel(
     POS, SCR, PM, PL, CAND, SCORES,
     Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
-    N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+    N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
     CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -71,10 +72,10 @@ def _score_topk_kernel(
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)  # scores >= +0: bit order == value order
     jr = tl.arange(0, CHUNK_J)
     key = tl.where(free, (bits << 32) + (2147483647 - j), -1 - jr)  # distinct; non-candidates below 0
-    # The chunk's N_SEL best by rank (how many keys are larger), placed by a one-hot sum: one pass, no
+    # The chunk's K_FREE best by rank (how many keys are larger), placed by a one-hot sum: one pass, no
     # serial rounds of max-and-remove.
     rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
     rk = tl.arange(0, N_PAD)
     cand = tl.sum(tl.where(rank[:, None] == rk[None, :], key[:, None], 0), 0)
     cand = tl.where(cand >= 0, cand, -1)
-    tl.store(CAND + (bh * n_chunks + c) * N_SEL + rk, cand, mask=rk < N_SEL)
+    tl.store(CAND + (bh * n_chunks + c) * K_FREE + rk, cand, mask=rk < K_FREE)

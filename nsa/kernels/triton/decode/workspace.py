@@ -174,14 +174,18 @@ class DecodeWorkspace:
         # as long as the selection programs merge at most 1024 candidates (longer chunks past about 64k
         # tokens: a longer merge would cost more than the shorter chunks save).
         cj = tuning.chunk_j or min(32, max(16, _np2(self.NJ)))
+        # Candidates per chunk: the most free (non-forced) blocks a step ever selects. Free blocks exist only
+        # once all n_init + n_local forced blocks do, so that is n - n_init - n_local (13 of the paper's 16), not
+        # n: at 64k + a few tokens (1026 selection blocks, 33 chunks) 429 candidates pad to 512, not 528 to 1024.
+        self.K_FREE = max(1, cfg.n_sel - cfg.n_init - cfg.n_local)
         cj = max(cj, _np2(cfg.n_sel))
         if not tuning.chunk_j:
-            cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 1024)))
-        cj = max(cj, _np2(_cdiv(self.NJ * cfg.n_sel, 4096)))  # at most 4096 candidates to merge
+            cj = max(cj, _np2(_cdiv(self.NJ * self.K_FREE, 1024)))
+        cj = max(cj, _np2(_cdiv(self.NJ * self.K_FREE, 4096)))  # at most 4096 candidates to merge
         self.CHUNK_J = cj
         self.n_chunks = _cdiv(self.NJ, cj)
         self.N_PAD = _np2(cfg.n_sel)
-        self.n_cand = self.n_chunks * cfg.n_sel
+        self.n_cand = self.n_chunks * self.K_FREE
         self.NC_PAD = _np2(self.n_cand)
         self.SPLIT_PAD = _np2(self.n_split_cmp)
         self.BLOCK_L = _np2(cfg.block_cmp)

@@ -130,6 +130,11 @@ MUTATIONS = [
              "o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win",
              "o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel",
              ("tests/cpu/test_decode_triton_interp.py::test_kernels_ragged_decode_equals_prefill",)),
+    Mutation("decode scoring: each chunk keeps one free candidate too few (`n - n_init - n_local - 1`)",
+             "nsa/kernels/triton/decode/workspace.py",
+             "return max(1, n_sel - n_init - n_local)", "return max(1, n_sel - n_init - n_local - 1)",
+             ("tests/cpu/test_decode_triton_interp.py::"
+              "test_candidate_merge_takes_the_forced_blocks_and_the_best_keys",)),
 ]
 
 

@@ -269,7 +269,7 @@ def test_candidate_merge_takes_the_forced_blocks_and_the_best_keys(n_sel, n_init
     # chunks (not only of what they wrote), ascending, -1 padded.
     gen = torch.Generator().manual_seed(n_sel * 100 + n_chunks)
     block_sel, cj = 64, 8
-    k_free = max(1, n_sel - n_init - n_local)  # the workspace's K_FREE
+    k_free = kd.max_free_blocks(n_sel, n_init, n_local)  # the workspace's K_FREE
     for t in (0, 70, 5 * 64 + 3, 40 * 64 + 63):
         jt = t // block_sel
         forced = sorted(set(range(min(jt + 1, n_init))) | set(range(max(0, jt - n_local + 1), jt + 1)))

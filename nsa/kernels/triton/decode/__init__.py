@@ -56,7 +56,7 @@ from .combine import _combine_kernel
 from .parts import _attend_tile, _fold_parts, _load_parts, _merge_parts, _store_partial, _window_partial
 from .score_topk import _score_topk_kernel
 from .sel import _merge_candidates, _sel_kernel
-from .workspace import DecodeWorkspace, Tuning, _cdiv, pdl_supported, plan_combine
+from .workspace import DecodeWorkspace, Tuning, _cdiv, max_free_blocks, pdl_supported, plan_combine
 
 TUNING = Tuning()  # the launcher's default (tests and bench/tune_decode.py replace it)
 
@@ -160,8 +160,8 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
     return out, idx
 
 
-__all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "pdl_supported", "plan_combine",
-           "workspace_for",
+__all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "max_free_blocks", "pdl_supported",
+           "plan_combine", "workspace_for",
            "_append_kernel", "_attend_tile", "_cmp_win_kernel", "_combine_kernel", "_fold_parts", "_load_parts",
            "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_store_partial",
            "_window_partial"]

@@ -16,6 +16,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_free_blocks(n_sel: int, n_init: int, n_local: int) -> int:
+    """The most free (non-forced) blocks one step selects, at least 1 (a buffer's row length): free blocks
+    exist only once all n_init + n_local forced blocks do, and then n - n_init - n_local of them are taken."""
+    return max(1, n_sel - n_init - n_local)
+
+
 def pdl_supported(device) -> bool:
     """Whether the decode launches can use programmatic dependent launch on `device`: a CUDA GPU of compute
     capability 9.0 or later and a Triton with grid dependency control."""
@@ -174,10 +180,9 @@ class DecodeWorkspace:
         # as long as the selection programs merge at most 1024 candidates (longer chunks past about 64k
         # tokens: a longer merge would cost more than the shorter chunks save).
         cj = tuning.chunk_j or min(32, max(16, _np2(self.NJ)))
-        # Candidates per chunk: the most free (non-forced) blocks a step ever selects. Free blocks exist only
-        # once all n_init + n_local forced blocks do, so that is n - n_init - n_local (13 of the paper's 16), not
-        # n: at 64k + a few tokens (1026 selection blocks, 33 chunks) 429 candidates pad to 512, not 528 to 1024.
-        self.K_FREE = max(1, cfg.n_sel - cfg.n_init - cfg.n_local)
+        # Candidates per chunk: the most free blocks a step selects (13 of the paper's 16), not n: at 64k + a
+        # few tokens (1026 selection blocks, 33 chunks) 429 candidates pad to 512, not 528 to 1024.
+        self.K_FREE = max_free_blocks(cfg.n_sel, cfg.n_init, cfg.n_local)
         cj = max(cj, _np2(cfg.n_sel))
         if not tuning.chunk_j:
             cj = max(cj, _np2(_cdiv(self.NJ * self.K_FREE, 1024)))

@@ -85,9 +85,11 @@ def _attend_tile(q, k_ptrs, v_ptrs, k_mask, v_mask, valid, m_i, l_i, acc, qk_sca
 
 @triton.jit
 def _store_partial(PM, PL, PACC, part, m_i, l_i, acc, rg, rdv, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr):
-    tl.store(PM + part * BLOCK_G + rg, m_i)
-    tl.store(PL + part * BLOCK_G + rg, l_i)
-    tl.store(PACC + (part * BLOCK_G + rg[:, None]) * BLOCK_DV + rdv[None, :], acc)
+    """A program's partial, marked evict-last: later launches of the step read it (the scores, the combine), and
+    the compressed pass's stream of K/V would otherwise push it out of L2 first."""
+    tl.store(PM + part * BLOCK_G + rg, m_i, eviction_policy="evict_last")
+    tl.store(PL + part * BLOCK_G + rg, l_i, eviction_policy="evict_last")
+    tl.store(PACC + (part * BLOCK_G + rg[:, None]) * BLOCK_DV + rdv[None, :], acc, eviction_policy="evict_last")
 
 
 @triton.jit

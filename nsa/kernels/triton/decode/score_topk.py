@@ -17,7 +17,7 @@ def _head_sum(row, i, n_vis, NB, lse, g_ok):
     and the logits past n_vis (stale) are dropped by the where."""
     ok = g_ok[:, None] & ((i >= 0) & (i < n_vis))[None, :]
     inb = g_ok[:, None] & ((i >= 0) & (i < NB))[None, :]
-    lg = tl.load(row + i[None, :], mask=inb, other=float("-inf"))
+    lg = tl.load(row + i[None, :], mask=inb, other=float("-inf"), eviction_policy="evict_first")
     return tl.sum(tl.where(ok, tl.exp2(lg - lse[:, None]), 0.0), 0)
 
 

@@ -46,6 +46,8 @@ between batches, untimed):
   step_eager_ms   one nsa_decode step (backend --backend, default auto) called from Python
   step_graph_ms   the same step captured in a CUDA graph and replayed (CUDA only)
   step_ms         step_graph_ms where measured, else step_eager_ms (the figure of merit)
+  step_min_ms, step_max_ms  the fastest and slowest batch of step_ms's measurement (dense_min_ms and
+                  dense_max_ms likewise for dense_ms)
   kv_bytes*       K/V bytes the step reads: compressed blocks + selected tokens + window, counted from the
                   cache by nsa_decode(return_stats=True); dense_kv_bytes: all S+1 keys and values
   tbps            kv_bytes / step_ms in TB/s; hbm_tbps: the device's HBM limit (H100 3.35, H200 4.8, from
@@ -121,10 +123,11 @@ HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 COLUMNS = [
     "preset", "S", "B", "ragged", "dim", "heads", "groups", "dk", "dv", "l", "d", "l_sel", "n_sel", "w",
     "branch_force_mode", "device", "dtype", "backend", "prefill_ms", "step_ms", "step_eager_ms", "step_graph_ms",
-    "layer_step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms", "win_ms", "cmp_blocks", "kv_bytes", "kv_bytes_cmp",
-    "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio", "tbps", "hbm_tbps", "hbm_frac",
+    "step_min_ms", "step_max_ms", "layer_step_ms", "tok_per_s", "cmp_ms", "topk_ms", "sel_ms", "win_ms",
+    "cmp_blocks", "kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win", "dense_kv_bytes", "kv_bytes_ratio",
+    "tbps", "hbm_tbps", "hbm_frac",
     "read_floor_ms", "floor_frac", "speedup_ceiling", "dense_ms", "dense_eager_ms", "dense_graph_ms",
-    "dense_backend", "dense_tbps", "dense_tok_per_s",
+    "dense_min_ms", "dense_max_ms", "dense_backend", "dense_tbps", "dense_tok_per_s",
     "speedup_vs_dense", "fa_kvcache_ms", "speedup_vs_fa_kvcache", "check_rel_err", "check_idx_agree",
     "target_programs", "splits", "run_steps", "run_prefill_ms", "run_decode_ms", "run_tok_per_s",
     "decode_tok_per_s", "run_finite", "cache", "page_size",
@@ -255,9 +258,24 @@ def parse_args(argv=None):
 # --- timing ----------------------------------------------------------------------------------------------
 
 
-def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2, warm_seconds: float = 0.1) -> float:
+class Ms(float):
+    """A median in ms that keeps the fastest and slowest batch it was taken over (min_ms, max_ms)."""
+
+    def __new__(cls, times: list[float]):
+        self = super().__new__(cls, statistics.median(times))
+        self.min_ms, self.max_ms = min(times), max(times)
+        return self
+
+
+def time_steps(fn, restore, device, inner: int, repeats: int, warmup: int = 2, warm_seconds: float = 0.1) -> Ms:
     """Median ms per call of fn over `repeats` batches of `inner` back-to-back calls (time_batches)."""
-    return statistics.median(time_batches(fn, restore, device, inner, repeats, warmup, warm_seconds))
+    return Ms(time_batches(fn, restore, device, inner, repeats, warmup, warm_seconds))
+
+
+def put_spread(row: dict, key: str) -> None:
+    """row[key + "_min_ms"] / row[key + "_max_ms"] from the Ms in row[key + "_ms"]."""
+    ms = row[key + "_ms"]
+    row[key + "_min_ms"], row[key + "_max_ms"] = ms.min_ms, ms.max_ms
 
 
 def time_batches(fn, restore, device, inner: int, repeats: int, warmup: int = 2,
@@ -297,7 +315,7 @@ def time_batches(fn, restore, device, inner: int, repeats: int, warmup: int = 2,
     return times
 
 
-def eager_and_graph(fn, restore, device, args, after_capture=None) -> tuple[float, float | None]:
+def eager_and_graph(fn, restore, device, args, after_capture=None) -> tuple[Ms, Ms | None]:
     """(eager ms, CUDA-graph replay ms or None). after_capture() undoes host state the capture touched."""
     eager = time_steps(fn, restore, device, args.inner, args.repeats)
     if device.type != "cuda" or args.no_graph:
@@ -522,6 +540,7 @@ def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dty
         eager, graph = eager_and_graph(step, restore, device, args, after_capture=lambda: cache.set_host_state(host0))
         row["step_eager_ms"], row["step_graph_ms"] = eager, graph
         row["step_ms"] = graph if graph is not None else eager
+        put_spread(row, "step")
         row["tok_per_s"] = B / (row["step_ms"] / 1e3)
         row["cmp_blocks"] = stats["cmp_blocks"] if not ragged else max(stats["cmp_blocks"])
         for key in ("kv_bytes", "kv_bytes_cmp", "kv_bytes_sel", "kv_bytes_win"):
@@ -541,6 +560,7 @@ def _fill_row(preset: str, S: int, B: int, lengths: list[int], args, device, dty
         d_eager, d_graph = eager_and_graph(dense, lambda: None, device, args)
         row["dense_eager_ms"], row["dense_graph_ms"] = d_eager, d_graph
         row["dense_ms"] = min(x for x in (d_eager, d_graph) if x is not None)
+        put_spread(row, "dense")
         row["dense_backend"] = dense_name + ("+padded" if ragged else "")
         row["dense_tbps"] = row["dense_kv_bytes"] / (row["dense_ms"] * 1e-3) / 1e12
         row["dense_tok_per_s"] = B / (row["dense_ms"] / 1e3)
@@ -624,6 +644,7 @@ def layer_row(S, args, device, dtype) -> dict:
         eager, graph = eager_and_graph(step, restore, device, timing, after_capture=restore)
         row["step_eager_ms"], row["step_graph_ms"] = eager, graph
         row["step_ms"] = graph if graph is not None else eager
+        put_spread(row, "step")
         row["layer_step_ms"] = time_steps(lambda: layer(x[:, S:], cache), restore, device, timing.inner,
                                           timing.repeats, args.warmup)
         row["tok_per_s"] = B / (row["step_ms"] / 1e3)
@@ -673,6 +694,7 @@ def layer_row(S, args, device, dtype) -> dict:
         d_eager, d_graph = eager_and_graph(dense, lambda: None, device, timing)
         row["dense_eager_ms"], row["dense_graph_ms"] = d_eager, d_graph
         row["dense_ms"] = min(x for x in (d_eager, d_graph) if x is not None)
+        put_spread(row, "dense")
         row["dense_backend"] = dense_name
         row["dense_tok_per_s"] = B / (row["dense_ms"] / 1e3)
         row["speedup_vs_dense"] = row["dense_ms"] / row["step_ms"]

@@ -122,6 +122,8 @@ def test_bench_decode_smoke_fill_mode(tmp_path):
     for r in rows:
         for c in ("step_ms", "step_eager_ms", "dense_ms", "speedup_vs_dense", "kv_bytes", "dense_kv_bytes", "tbps"):
             assert float(r[c]) > 0, c
+        for key in ("step", "dense"):  # the spread of the batches the median was taken over
+            assert 0 < float(r[f"{key}_min_ms"]) <= float(r[f"{key}_ms"]) <= float(r[f"{key}_max_ms"]), key
         assert r["step_graph_ms"] == "" and r["hbm_tbps"] == ""  # CPU: no graph, no HBM limit
         assert float(r["check_rel_err"]) == 0 and float(r["check_idx_agree"]) == 1
     # S=70, B=1 (tiny preset: l=8, d=4, l'=8, n=4, w=16, Hkv=2, D=16, fp32): step at t=70 sees 16 compressed

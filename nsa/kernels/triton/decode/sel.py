@@ -41,7 +41,11 @@ def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.c
     # the winners, else these rounds): [32, 256] int64 comparison tiles per step of 32, 64k x 8 merge 5.9 ->
     # 40 us per program, 64k x 1 4.4 -> 17 (per-program timestamps; the check held in every program). Nor did
     # tl.topk (a bitonic top-16) of the padded keys: steps 64k x 8 60.8 -> 61.2 us, 64k x 1 21.0 -> 21.9, 64k x 32
-    # 180.4 -> 186.3; only 8k x 8, with an eighth as many candidates, gained (30.2 -> 29.2).
+    # 180.4 -> 186.3; only 8k x 8, with an eighth as many candidates, gained (30.2 -> 29.2). Nor did giving each
+    # program its slots of the rank order (forced blocks, then the free ones best first), so that it merges only
+    # as far as its own slots and the first programs load while the last still merge: steps 64k x 8 58.7 / 58.4
+    # -> 57.4 / 57.2 us and 128k x 8 92.4 / 92.5 -> 91.2 / 92.3, but 64k x 1 20.2 / 20.1 -> 20.5 / 20.9 and 64k x 32
+    # 180.9 / 180.4 -> 182.0 / 182.7 (old and new code alternating).
     rc = tl.arange(0, NC_PAD)
     keys = tl.load(CAND + bh * n_cand + rc, mask=rc < n_cand, other=-1)
     for r in range(0, need):

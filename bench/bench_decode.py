@@ -64,7 +64,7 @@ between batches, untimed):
                   read_floor_ms: the most a step reading these bytes could gain on dense decode, with nothing
                   but its reads. Small reads do not reach the HBM limit: on an H100 the streaming kernel read
                   64 MiB at 2.8 TB/s and 1 GiB at 3.1, torch.sum 2.3 and 3.0 (torch.sum alone overstated the
-                  floor of a 64k x 8 step by 6 us)
+                  floor of a 64k x 8 step by 4 us)
   speedup_vs_dense = dense_ms / step_ms; fa_kvcache_ms: flash_attn_with_kvcache (ragged natively), when the
                   flash-attn package is installed
   check_rel_err / check_idx_agree  the step's output and blocks against the torch step on the same state

@@ -46,7 +46,18 @@ SEED_KEYWORDS = {
 }
 
 
+# Files whose tests run Triton kernels in the interpreter or compile with Inductor: marked `heavy`. The core
+# tier (-m "not slow and (sample or not heavy)") keeps only their `sample` tests.
+HEAVY_FILES = ("test_compile.py",)
+
+
+def is_heavy(name: str) -> bool:
+    return name.endswith("_interp.py") or name in HEAVY_FILES
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if is_heavy(item.path.name):
+            item.add_marker(pytest.mark.heavy)
         for keyword in SEED_KEYWORDS.get(item.path.name, ()):
             item.extra_keyword_matches.add(keyword)

@@ -175,6 +175,7 @@ def test_ragged_k_stays_on_the_torch_append(gen, paged, news):
     assert cache.host_seqlens() == [L + n for L, n in zip(case.lengths, news)]
 
 
+@pytest.mark.sample
 @pytest.mark.parametrize("backend,route,reason", [("torch", "torch_planned", "forced"),
                                                   ("sdpa", "torch_backend", "forced"),
                                                   ("triton", "decode_steps", "forced")])

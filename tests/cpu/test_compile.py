@@ -86,6 +86,7 @@ def _cu(lengths):
 # --- the torch path --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.sample
 def test_torch_path_no_graph_break(gen):
     q, k, v, g = _inputs(gen, 2, 40)
     explained = _explain(lambda *a: nsa_attention(*a, CFG, backend="torch"), q, k, v, g)
@@ -279,6 +280,7 @@ def _segments(gen, grad=True):
             torch.randn(1, 3, 2, 16, generator=gen, requires_grad=grad))
 
 
+@pytest.mark.sample
 @pytest.mark.parametrize("name", ["sel_fwd", "sel_combine_fwd", "sel_combine_fwd:segments", "topn", "combine_fwd",
                                   "combine_bwd:segments", "window_fwd"])
 def test_operator_contracts(fused, gen, name):

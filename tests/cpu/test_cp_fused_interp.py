@@ -227,6 +227,7 @@ def test_offset_core_cudnn_rows(fused, segs, split):
         assert rel_err(a, b) < 1e-4, (label, rel_err(a, b))
 
 
+@pytest.mark.sample
 def test_offset_core_branch_kv_and_given_blocks(fused):
     """Per-branch K/V (kv_cmp, kv_win) and given block indices on the fused per-rank path, against the
     one-process float64 call with the same blocks: output and the gradients of q, gates and every K/V."""

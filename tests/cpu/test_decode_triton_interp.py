@@ -160,6 +160,7 @@ def test_equal_scores_are_bitwise_equal_and_ties_go_to_the_lower_block(gen, tie)
     assert torch.equal(idx, torch.stack([ref.indices[0, r] for r in decode_rows(case)], dim=1))
 
 
+@pytest.mark.sample
 def test_tiny_model_generates_through_the_kernels():
     torch.manual_seed(0)
     cfg = CFG.with_(window=8)

@@ -86,6 +86,7 @@ def test_fused_matches_torch_path(fused, gen, cfg, packed):
     assert_fused()
 
 
+@pytest.mark.sample
 def test_fused_vs_reference_with_reference_blocks(fused, gen):
     q, k, v, g = make_inputs(gen, 1, 60, 4, 1, 8, 8, torch.float32)
     ref = nsa_reference(q, k, v, g, CFG)
@@ -123,6 +124,7 @@ def _topn_case(gen, cfg, B, T, Hq, Hkv, D, cu=None, config=None):
     return got, want
 
 
+@pytest.mark.sample
 @pytest.mark.parametrize("cfg", CFGS, ids=["l8d4s8n4", "l8d4s16i0", "l16d4s8n5", "l8d8s8n3", "l16d8s16n3"])
 @pytest.mark.parametrize("T", [1, 7, 8, 9, 70])
 def test_topn_kernel_matches_naive(gen, cfg, T):

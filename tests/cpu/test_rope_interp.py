@@ -63,6 +63,7 @@ def test_rope_inverse_undoes_rope(gen):
     assert rel_err(back, x) <= 1e-6
 
 
+@pytest.mark.sample
 def test_rope_operator_contract(gen):
     x = torch.randn(2, 20, 3, 16, generator=gen, requires_grad=True)
     torch.library.opcheck(ops.rope, (x, _positions(2, 20, True), _freqs(16), False),

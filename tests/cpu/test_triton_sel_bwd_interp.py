@@ -151,6 +151,7 @@ def test_work_plan_covers_each_entry_once(gen):
 
 
 # Dk = 48 and 40: two column tiles (32 + 16, the second full or masked), as the paper's 192 runs as 128 + 64
+@pytest.mark.sample
 @pytest.mark.parametrize("G,Dk,Dv", [slow(1, 16, 8), slow(2, 16, 16), (3, 8, 16),
                                      slow(4, 24, 8), (16, 16, 8), (2, 48, 16), slow(1, 40, 8)])
 def test_grads_vs_fp64(gen, G, Dk, Dv):

@@ -196,6 +196,7 @@ def test_block_longer_than_one_tile(gen, copies, monkeypatch):
     compare(q, k, v, random_indices(gen, ss, B, T, Hkv, 2, ls, pad_prob=0.0), ss, ls, gen)
 
 
+@pytest.mark.sample
 def test_group_over_several_row_tiles(gen, monkeypatch):
     monkeypatch.setattr(selection, "MAX_BLOCK_G", 16)
     B, T, Hkv, G, ls = 1, 20, 1, 20, 8
@@ -257,6 +258,7 @@ def test_nsa_attention_sel_on_triton_matches_torch(gen, monkeypatch, packed):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.sample
 def test_fixed_block_indices_through_triton(gen, monkeypatch):
     B, T, Hq, Hkv = 1, 24, 2, 1
     q, k, v = inputs(gen, B, T, Hkv, Hq // Hkv, 16, 16)

@@ -42,6 +42,7 @@ CASES = [(100, 40, 2, 16, (16, 16)), (77, 16, 1, 16, (16, 16)), (50, 1, 4, 16, (
          (45, 200, 2, 16, (16, 16)), (40, 24, 2, 64, None), (130, 70, 1, 32, (32, 32))]
 
 
+@pytest.mark.sample
 @pytest.mark.parametrize("T,w,G,D,tiles", CASES)
 def test_window_forward_matches_oracle(gen, descriptors, T, w, G, D, tiles):
     B, Hkv = 2, 2

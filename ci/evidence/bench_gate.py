@@ -10,7 +10,9 @@ regresses when it is worse than its baseline by more than the allowance (bench/b
 policy.allowance, or the figure's own "allowance"): for "lower is better", value > baseline * (1 + a).
 `check` exits 1 on any regression. The GPU sessions measure a failed figure again in a second process
 (`second_opinion`): it fails the gate only when that measurement fails too. A GPU class or figure with no
-baseline is reported as NO-BASELINE (exit 0; `--strict` makes it exit 1). `promote` writes the run's figures
+baseline is reported as NO-BASELINE (exit 0; `--strict` makes it exit 1). A figure named in the policy's
+"informational" (figure -> why) is RECORDED with its baseline and ratio but never fails nor lacks a baseline:
+one too noisy between machines to judge a change by. `promote` writes the run's figures
 as the class's baselines, recording where each number came from (commit, date, host, GPU, torch, artifact
 path).
 """
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASELINES = ROOT / "bench" / "baselines.json"
 SCHEMA = "nsa-bench-baselines/1"
 DEFAULT_ALLOWANCE = 0.15
-PASS, FAIL, NO_BASELINE = "PASS", "FAIL", "NO-BASELINE"
+PASS, FAIL, NO_BASELINE, RECORDED = "PASS", "FAIL", "NO-BASELINE", "RECORDED"
 
 
 def gpu_class(name: str | None) -> str:
@@ -48,6 +50,7 @@ def load_baselines(path: str | Path = DEFAULT_BASELINES) -> dict:
 def compare(figures: dict, baselines: dict, cls: str) -> dict:
     """{'status', 'class', 'allowance', 'rows': [{figure, value, baseline, ratio, limit, status, source}]}."""
     default_allow = float(baselines.get("policy", {}).get("allowance", DEFAULT_ALLOWANCE))
+    informational = baselines.get("policy", {}).get("informational", {})
     stored = baselines.get("classes", {}).get(cls, {}).get("figures", {})
     rows, floors = [], baselines.get("acceptance", {})  # the seeds' absolute figures: one limit for every GPU
     for name, fig in sorted(figures.items()):
@@ -62,12 +65,14 @@ def compare(figures: dict, baselines: dict, cls: str) -> dict:
             ok = value <= limit if better == "lower" else value >= limit
             row.update(baseline=b, ratio=value / b if b else None, limit=limit, allowance=allow, better=better,
                        status=PASS if ok else FAIL, source=base.get("source"))
+        if name in informational:
+            row.update(status=RECORDED, why=informational[name])
         rows.append(row)
     return {"status": _status(rows), "class": cls, "allowance": default_allow, "rows": rows}
 
 
 def _status(rows: list[dict]) -> str:
-    statuses = {r["status"] for r in rows}
+    statuses = {r["status"] for r in rows if r["status"] != RECORDED}
     return FAIL if FAIL in statuses else (NO_BASELINE if NO_BASELINE in statuses or not rows else PASS)
 
 
@@ -87,6 +92,10 @@ def describe(result: dict) -> list[str]:
     out = []
     for r in result["rows"]:
         head = f"{r['figure']}: {r['value']:.4f} {r.get('unit', 'ms')}"
+        if r["status"] == RECORDED:
+            vs = f" (x{r['ratio']:.3f} of baseline {r['baseline']:.4f})" if r["baseline"] is not None else ""
+            out.append(f"{head}{vs} RECORDED, not gated: {r['why']}")
+            continue
         out.append(f"{head}, no baseline for {result['class']} ({r['status']})" if r["baseline"] is None else
                    f"{head} vs baseline {r['baseline']:.4f} (x{r['ratio']:.3f}, limit {r['limit']:.4f}, allowance "
                    f"{r['allowance']:.0%}, {r.get('better', 'lower')} is better) {r['status']}"

@@ -215,3 +215,27 @@ def test_headline_only_flag(tmp_path, one_thread):
     assert H.main(["--out", str(out), "--device", "cpu", "--tiny", "--repeats", "1", "--iters", "1",
                    "--only", "decode_step_ms"]) == 0
     assert set(json.loads(out.read_text())["figures"]) == {"decode_step_ms"}
+
+
+def test_informational_figures_are_recorded_never_gated():
+    base = {**BASE, "policy": {**BASE["policy"], "informational": {"decode_step_ms": "host-bound"}}}
+    res = G.compare({"prefill_fwd_ms": fig(10.0), "decode_step_ms": fig(5.0)}, base, "h200")
+    row = next(r for r in res["rows"] if r["figure"] == "decode_step_ms")
+    assert res["status"] == G.PASS and row["status"] == G.RECORDED and row["ratio"] == 5.0
+    assert any("RECORDED, not gated: host-bound" in line for line in G.describe(res))
+    # another figure still fails; an informational figure with no baseline leaves the status alone
+    assert G.compare({"prefill_fwd_ms": fig(12.0), "decode_step_ms": fig(0.1)}, base, "h200")["status"] == G.FAIL
+    alone = G.compare({"prefill_fwd_ms": fig(10.0), "decode_step_ms": fig(9.0)},
+                      {**base, "classes": {"h200": {"figures": {"prefill_fwd_ms": BASE["classes"]["h200"]["figures"]
+                                                                ["prefill_fwd_ms"]}}}}, "h200")
+    assert alone["status"] == G.PASS and "RECORDED" in G.describe(alone)[0]
+
+
+def test_the_shipped_policy_gates_the_graph_step_not_the_eager_one():
+    data = G.load_baselines()
+    assert set(data["policy"]["informational"]) == {"decode_step_ms"}
+    graph = data["classes"]["h100-80gb-hbm3"]["figures"]["decode_graph_step_ms"]
+    assert graph["better"] == "lower" and 0 < graph["value"] < 1.0, graph
+    artifact = json.loads((G.ROOT / graph["source"]["artifact"]).read_text())
+    assert artifact["figures"]["decode_graph_step_ms"]["value"] == pytest.approx(graph["value"], abs=1e-6)
+    assert G.compare(artifact["figures"], data, "h100-80gb-hbm3")["status"] == G.PASS

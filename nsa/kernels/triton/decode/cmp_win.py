@@ -8,7 +8,13 @@ slower in every cell (H200, paper heads, bf16, CUDA graphs). With the values in 
 went from 57.0 to 60.5 us and 64k x 32 from 159.7 to 170.4. With the values in the selection launch, 64k x 8
 went from 52.2 to 54.1 us. The key pass did halve (23.8 -> 13.6 us at 64k x 8), but the launch that took the
 values grew by more than that: the value traffic added to the step's bytes rather than overlapping the
-scoring."""
+scoring. Nor did it pay with the values and the window in the scoring launch, letting the selection launch start
+as they started, its programs waiting for their own (b, KV head)'s scores on a flag (release by each scoring
+program, acquire in the selection) and for the rest only at their end (H100, paper heads, bf16, CUDA graphs,
+two rounds): 64k x 8 58.7 / 58.3 -> 68.6 / 68.6 us, 8k x 8 30.0 -> 34.6, 64k x 1 20.6 -> 25.7, 64k x 32 182.8 ->
+214.2. The keys' pass fell from 30.1 to 18.4 us at 64k x 8, but the scoring launch, now 1,504 programs sized by the
+values' registers, took 29.6 us instead of 6.3, and the selection launch could start only once its last programs
+had started, at 44 us."""
 
 from __future__ import annotations
 

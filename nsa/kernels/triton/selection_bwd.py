@@ -20,6 +20,13 @@ LSE (exp2 domain); delta = rowsum(dO * O) is computed by the dq kernel (fp32) an
   fp32, about B*T*Hq*(Dk + Dv) bytes at the defaults with n*l' = 1024 (1.1 GB at T=64k, Hq=64, D=128);
   only the blocks with several chunks are written.
 
+dq inside the dk/dv kernel instead (dS^T q-rows' K added to an fp32 buffer by relaxed atomics, the dq kernel
+reduced to delta, a last kernel converting the buffer) measured slower everywhere (H100, bf16, Hq=64, Hkv=4,
+D=128, the whole NSA forward+backward, two rounds): 16 x 4k packed 69.8 / 72.5 -> 97.0 / 96.8 ms with 64-row
+tiles and 83.7 / 83.5 with 32-row ones; 64k 110.9 / 113.0 -> 138.2 / 138.9 and 125.7 / 125.3; 8k 12.3 / 12.2 ->
+16.8 / 16.9 and 15.0 / 15.3. At 16 x 4k the dk/dv kernel went from 14.4 to 52.8 ms with 64-row tiles: each
+(token, block) pair adds 8 KB of fp32 atomics (34 GB per step), far more than the 14.4 ms of the dq kernel it replaces.
+
 Tile sizes, warps, stages and the chunk length are chosen in one place, `bwd_config`, ready for tuning.
 Offsets are int64 where a stride times an index can pass 2**31. fp32 inputs use IEEE fp32 dots.
 """

@@ -78,6 +78,27 @@ def test_window_backward_matches_oracle(gen, descriptors, T, w, G, D, tiles):
         assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
 
 
+@pytest.mark.parametrize("bm,bm_kv", [(32, 16), (16, 32)])
+def test_window_backward_with_its_own_dkdv_query_tiles(gen, descriptors, bm, bm_kv):
+    """The dK/dV kernel on query tiles of another length than the dQ kernel's (the default at D <= 128: 64 for
+    dQ, 32 for dK/dV), against the fp64 oracle; the defaults name both."""
+    assert window.backward_config(128) == {"BM": 64, "BN": 64, "STAGES": 3, "num_warps": 4, "BM_KV": 32,
+                                           "STAGES_KV": 2}
+    B, T, Hkv, G, D, w = 2, 83, 2, 2, 16, 37
+    q = torch.randn(B, T, Hkv * G, D, generator=gen)
+    k, v = (torch.randn(B, T, Hkv, D, generator=gen) for _ in range(2))
+    do = torch.randn(B, T, Hkv * G, D, generator=gen)
+    o, lse = window.window_forward(q, k, v, w, 0.3, config={"BM": 16, "BN": 16, "STAGES": 2})
+    cfg = {"BM": bm, "BN": 16, "STAGES": 2, "BM_KV": bm_kv, "STAGES_KV": 3}
+    made = tma.USED["window_bwd"]
+    got = window.window_backward(do, q, k, v, o, lse, w, 0.3, config=cfg)
+    assert tma.USED["window_bwd"] - made == 6  # q and dO twice (one tile length each kernel), K and V
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(window_oracle(*leaves, w, 0.3)[0], leaves, do.double())
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-5, name
+
+
 @pytest.mark.parametrize("Dk,Dv,tiles", [(48, 32, (16, 16)), (48, 16, (32, 16)), (96, 64, None)])
 def test_window_two_column_tiles_and_narrower_v(gen, descriptors, Dk, Dv, tiles):
     """Dk as two column tiles (48 = 32 + 16, 96 = 64 + 32; the paper's 192 runs as 128 + 64) with Dv < Dk:

@@ -18,10 +18,11 @@ had started, at 44 us.
 
 Where this launch stands: at 64k x 8 (H100, paper heads, bf16) it reads the 64 MiB of compressed K/V and writes
 4 MiB of logits in 30.4 us (ncu: DRAM 2.33 TB/s, 70% of peak; 352 programs of 4 warps at 138 registers, 15.6%
-achieved occupancy), and in the same process torch.sum of a plain 64 MiB bf16 tensor, replayed in a CUDA graph,
-took 29.4 us (2.28 TB/s; 96 MiB 40.0 us, 1 GiB 354 us = 3.03 TB/s). A kernel that reads this little is at
-that ceiling already: the step's remaining time is its later launches (ncu, each alone: scores 9.2 us, selection
-and window 17.1 us at 1.47 TB/s, combine 8.3 us), which only overlapping them with this stream can hide."""
+achieved occupancy). torch.sum of a plain 64 MiB bf16 tensor, replayed in a CUDA graph, read no faster (29.4 us,
+2.28 TB/s), but bench/bench_decode.py's streaming read kernel (`read_floor_ms`) reads 64 MiB at 2.82 TB/s: about
+23 us, so this launch has some 6 us to gain at most. The rest of the step is its later launches (ncu, each alone:
+scores 9.2 us, selection and window 17.1 us at 1.47 TB/s, combine 8.3 us), which only overlapping them with this
+stream can hide."""
 
 from __future__ import annotations
 

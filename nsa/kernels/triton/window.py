@@ -284,12 +284,11 @@ def _window_dq_kernel(QD, QD2, KD, KD2, VD, DOD, LSE, DELTA, DQ, sqb, sqt, sqh, 
 
 
 def backward_config(Dk: int, Dv: int | None = None) -> dict:
-    """Tiles, warps and stages of the backward kernels per head dim: BM, BN, STAGES and num_warps for the dQ
-    kernel (and both kernels where no other entry is given), BM_KV and STAGES_KV for the dK/dV kernel's query
-    tiles (H200, bf16, Hq=64, Hkv=4, D=128, w=512, the whole backward with one tile set: 11.08 ms at 64k and
-    1.39 at 8k with 64 x 64 tiles, 4 warps, 3 stages, against 11.34 / 1.42 with 2 stages, 13.1 / 1.66 with
-    32-query tiles, 14.6 / 1.86 with 128 x 128 tiles and 8 warps, and FA-2's backward fed the same o and LSE,
-    14.03 / 1.77).
+    """Tiles, warps and stages of the backward kernels per head dim: BM, BN, STAGES and num_warps for both
+    kernels, and where the dK/dV kernel wants other query tiles, BM_KV and STAGES_KV for them (H200, bf16,
+    Hq=64, Hkv=4, D=128, w=512, the whole backward with one tile set: 11.08 ms at 64k and 1.39 at 8k with 64 x
+    64 tiles, 4 warps, 3 stages, against 11.34 / 1.42 with 2 stages, 13.1 / 1.66 with 32-query tiles, 14.6 /
+    1.86 with 128 x 128 tiles and 8 warps, and FA-2's backward fed the same o and LSE, 14.03 / 1.77).
 
     The two kernels want different query tiles. The dK/dV kernel alone, H100, bf16, Hq=64, Hkv=4, w=512, two
     runs (.. = the range), 64-query tiles in 3 stages against 32-query tiles in 2: D=128 16 x 4k 6.58-6.89 ->
@@ -299,9 +298,9 @@ def backward_config(Dk: int, Dv: int | None = None) -> dict:
     if max(Dk, Dv or Dk) > 128 and split_dim(Dk)[1] and (Dv or Dk) <= 128:
         # Dk=192 as 128 + 64 columns, Dv=128 (H200, 64k): 16.6 ms against 21.7 with 32-query tiles, 25.6 with
         # 32-key tiles and 28.1 with the wide heads' 32 x 32 tiles (FA-2's window backward, V padded: 18.6)
-        return {"BM": 64, "BN": 64, "STAGES": 2, "num_warps": 4, "BM_KV": 64, "STAGES_KV": 2}
+        return {"BM": 64, "BN": 64, "STAGES": 2, "num_warps": 4}
     if max(Dk, Dv or Dk) > 128:
-        return {"BM": 32, "BN": 32, "STAGES": 2, "num_warps": 4, "BM_KV": 32, "STAGES_KV": 2}
+        return {"BM": 32, "BN": 32, "STAGES": 2, "num_warps": 4}
     return {"BM": 64, "BN": 64, "STAGES": 3, "num_warps": 4, "BM_KV": 32, "STAGES_KV": 2}
 
 
@@ -311,8 +310,9 @@ def window_backward(do, q, k, v, o, lse, window: int, scale: float, config: dict
     B, T, Hq, Dk = q.shape
     Hkv, D = k.shape[2], v.shape[-1]
     meta = {**backward_config(Dk, D), **(config or {})}
-    if config and "BM_KV" not in config:
-        meta["BM_KV"], meta["STAGES_KV"] = meta["BM"], meta["STAGES"]
+    if config and "BM_KV" not in config:  # the caller's tiles serve both kernels
+        meta.pop("BM_KV", None)
+        meta.pop("STAGES_KV", None)
     if not torch.cuda.is_available():
         meta.pop("num_warps", None)
     do = do.contiguous()
@@ -323,7 +323,7 @@ def window_backward(do, q, k, v, o, lse, window: int, scale: float, config: dict
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
     BM, BN, stages, warps = meta["BM"], meta["BN"], meta["STAGES"], meta.get("num_warps")
-    bm_kv, stages_kv = meta["BM_KV"], meta["STAGES_KV"]
+    bm_kv, stages_kv = meta.get("BM_KV", BM), meta.get("STAGES_KV", stages)
     extra = {} if warps is None else {"num_warps": warps}
     _window_delta_kernel[(B * Hq, triton.cdiv(T, 64))](o, do, delta, o.stride(0), o.stride(1), o.stride(2), T, Hq,
                                                        BM=64, D=D, **extra)

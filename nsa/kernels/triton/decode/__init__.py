@@ -53,6 +53,7 @@ from ..common import LOG2E
 from .append import _append_kernel
 from .cmp_win import _cmp_win_kernel
 from .combine import _combine_kernel
+from .fused import _step_kernel
 from .parts import _attend_tile, _fold_parts, _load_parts, _merge_parts, _store_partial, _window_partial
 from .score_topk import _score_topk_kernel
 from .sel import _merge_candidates, _sel_kernel
@@ -118,12 +119,34 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ksel, vsel, cache.k_win, cache.v_win, cache.k_raw_cmp, cache.v_raw_cmp, kcmp, vcmp,
         k.stride(0), k.stride(2), v.stride(0), v.stride(2), kc.stride(0), kc.stride(2), vc.stride(0), vc.stride(2),
         kw.stride(0), kw.stride(2), vw.stride(0), vw.stride(2),
-        Hkv, Dk, Dv, cache.max_len, W, NB, *pages["args"],
+        Hkv, Dk, Dv, cache.max_len, W, NB, *pages["args"], ws.counters,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_L=ws.BLOCK_L, BLOCK_DK=ws.BLOCK_DK,
-        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **pages["meta"], PDL=ws.pdl, **_launch_opts(device, 2),
+        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **pages["meta"], PDL=ws.pdl, COUNTERS=ws.fused,
+        CSTRIDE=ws.counter_stride,
+        **_launch_opts(device, 2),
     )
     if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
         cache.compress_step(compress_fn)
+    if ws.fused:
+        _step_kernel[(ws.n_items,)](
+            q, ws.pos, cache.cache_seqlens, kcmp, vcmp, cache.k_win, cache.v_win, ksel, vsel, ws.scratch, ws.pm,
+            ws.pl, ws.pacc, ws.cand, ws.scores, idx, gates, out, ws.counters,
+            ws.trace if ws.trace is not None else ws.counters,
+            q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), gates.stride(0), gates.stride(2), gates.stride(3),
+            out.stride(0), out.stride(2),
+            Hkv, ws.G, Dk, Dv, NB, W, cache.max_len, ws.NJ, BH, ws.n_split_cmp, ws.n_split_win, ws.n_chunks,
+            ws.n_split_sel, ws.n_dv_tiles, ws.n_parts, ws.n_cand, ws.blocks_per_split, ws.slots_per_split,
+            ws.slots_per_prog, qk_scale, *pages["args"],
+            BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
+            N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, NC_PAD=ws.NC_PAD,
+            BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N, BLOCK_N_SEL=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK,
+            BLOCK_DV=ws.BLOCK_DV, CHUNK_J=ws.CHUNK_J, SPLIT_PAD=ws.SPLIT_PAD, DV_TILE=ws.DV_TILE,
+            CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN, CHUNK_SEL=ws.CHUNK_SEL, IEEE=ieee, **pages["meta"],
+            PDL=ws.pdl, CSTRIDE=ws.counter_stride, NAP_NS=ws.tuning.nap_ns if on_gpu(device) else 0,
+            TRACE=ws.trace is not None and on_gpu(device),
+            **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp", ws.pdl),
+        )
+        return out, idx
     _cmp_win_kernel[(ws.grid_cmp, BH)](
         q, ws.pos, kcmp, vcmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
@@ -163,5 +186,5 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
 __all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "max_free_blocks", "pdl_supported",
            "plan_combine", "workspace_for",
            "_append_kernel", "_attend_tile", "_cmp_win_kernel", "_combine_kernel", "_fold_parts", "_load_parts",
-           "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_store_partial",
-           "_window_partial"]
+           "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_step_kernel",
+           "_store_partial", "_window_partial"]

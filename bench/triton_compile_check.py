@@ -70,7 +70,6 @@ KERNELS = (
     "combine_bwd",
     "decode",
     "decode_paged",
-    "decode_fused",
     "rope",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -238,21 +237,17 @@ def run_family(family: str, c: Case) -> str | None:
         else:
             seg = comb.segments(o_cmp[:, 31:-1], 31, o_cmp[:, -1:])
             comb.backward(_empty(c.B, c.T, Hq, c.Dv, dtype=dt), gates, seg, o_sel, o_win)
-    elif family in ("decode", "decode_paged", "decode_fused"):
+    elif family in ("decode", "decode_paged"):
         from nsa.branches.decode import triton as dec
         from nsa.cache import NSACache
-        from nsa.kernels.triton import decode as kd
         from nsa.paged_cache import PagedNSACache
 
-        if family == "decode_paged":  # the kernels' PAGED variants: K/V read through a block table of 64-token pages
-            cache = PagedNSACache(cfg, c.B, 128 * c.B, 64, 128, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
-        else:
+        if family == "decode":
             cache = NSACache(cfg, c.B, 8192, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
+        else:  # the kernels' PAGED variants: K/V read through a block table of 64-token pages
+            cache = PagedNSACache(cfg, c.B, 128 * c.B, 64, 128, c.Hkv, c.Dk, c.Dv, device="cpu", dtype=dt)
         tokens = tuple(_empty(c.B, 1, c.Hkv, d, dtype=dt) for d in (c.Dk, c.Dv) * 3)
-        # decode_fused: the step as one persistent launch (Tuning.fused), whatever the default
-        tuning = dataclasses.replace(kd.TUNING, fused=True) if family == "decode_fused" else kd.TUNING
-        with mock.patch.object(kd, "TUNING", tuning):
-            dec.decode_step(_empty(c.B, 1, Hq, c.Dk, dtype=dt), _empty(c.B, 1, Hq, 3, dtype=dt), cache, tokens)
+        dec.decode_step(_empty(c.B, 1, Hq, c.Dk, dtype=dt), _empty(c.B, 1, Hq, 3, dtype=dt), cache, tokens)
     elif family == "rope":  # the layers' rotary embedding, forward and (inverse) backward, on q and k
         from nsa.kernels.triton.rope import rope_apply
 

@@ -11,12 +11,6 @@ blocks are compared with the first variant's on the same state (max relative err
 faster variant that computes something else shows up at once. Without --variants: the default launch, then one
 change at a time. Prints a table per cell and writes a CSV (JSON sidecar with the environment).
 
---trace (fused variants, Tuning.fused): one more eager step with the fused step's trace on (Tuning.trace), and
-per kind of item (cmp, win, score, sel, combine) when the first and the last started, how long they took to
-take their item (start to ready: the ticket) and then to finish it (ready to end: for the dependent kinds their
-wait too), and when the last ended, in us from the first item's start; printed and written to
-`<csv stem>.trace.csv`.
-
 The timeline (`<kernel>_start_us`, `<kernel>_end_us`, `step_span_us`: medians over eager steps queued while the
 GPU sleeps, so the launches wait on the GPU, not on the host) shows what the kernel times cannot: how much of
 each launch overlaps the one before it under programmatic dependent launch, and which launch the step waits on.
@@ -49,8 +43,7 @@ DEFAULT_VARIANTS = (
     "c2:cmp_per_sm=2", "c4:cmp_per_sm=4", "align16:cmp_align=16", "win_in_cmp:window_with_sel=false",
     "early:early_combine=true", "late:early_combine=false",
 )
-SHORT = {"_append": "append", "_cmp_win": "cmp_win", "_score": "score", "_sel_": "sel", "_combine": "combine",
-         "_step_kernel": "fused"}
+SHORT = {"_append": "append", "_cmp_win": "cmp_win", "_score": "score", "_sel_": "sel", "_combine": "combine"}
 
 
 def parse_variant(text: str, sms: int) -> tuple[str, kd.Tuning]:
@@ -68,8 +61,7 @@ def parse_variant(text: str, sms: int) -> tuple[str, kd.Tuning]:
     return name or "unnamed", kd.Tuning(**kw)
 
 
-TIMELINE_COLUMNS = (*(f"{k}_{e}_us" for k in SHORT.values() if k != "fused" for e in ("start", "end")),
-                    "step_span_us")  # the five launches (the fused step is one: its --trace shows inside it)
+TIMELINE_COLUMNS = (*(f"{k}_{e}_us" for k in SHORT.values() for e in ("start", "end")), "step_span_us")
 
 
 def short_name(kernel: str) -> str:
@@ -140,48 +132,7 @@ def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, fl
     return statistics.median(times), min(times), max(times)
 
 
-TRACE_KINDS = ("cmp", "win", "score", "sel", "combine")
-
-
-def trace_rows(ws, trace: torch.Tensor) -> list[dict]:
-    """Per kind of the fused step's items (queue order: ws.n_split_cmp, n_split_win, n_chunks, n_split_sel,
-    n_dv_tiles per (b, KV head)), from its trace [n_items, 4] (start, item taken, end ns; SM): first and last
-    start, median and max ticket time (start to taken) and run time (taken to end, waits included), last end;
-    us from the first start."""
-    BH = ws.n_items // (ws.n_split_cmp + ws.n_split_win + ws.n_chunks + ws.n_split_sel + ws.n_dv_tiles)
-    counts = [BH * n for n in (ws.n_split_cmp, ws.n_split_win, ws.n_chunks, ws.n_split_sel, ws.n_dv_tiles)]
-    tr = trace.double()
-    t0 = tr[:, 0].min()
-    rows, lo = [], 0
-    for kind, n in zip(TRACE_KINDS, counts):
-        part = tr[lo:lo + n]
-        lo += n
-        if n == 0:
-            continue
-        start, ready, end = ((part[:, i] - t0) / 1e3 for i in range(3))
-        rows.append({"kind": kind, "items": n, "first_start_us": float(start.min()),
-                     "last_start_us": float(start.max()), "median_ticket_us": float((ready - start).median()),
-                     "max_ticket_us": float((ready - start).max()), "median_run_us": float((end - ready).median()),
-                     "max_run_us": float((end - ready).max()), "last_end_us": float(end.max()),
-                     "sms": int(part[:, 3].unique().numel())})
-    return rows
-
-
-def trace_step(step, restore, tuning, cache, Hq: int) -> list[dict]:
-    """trace_rows of one eager step of the fused step with its trace on."""
-    kd.TUNING = dataclasses.replace(tuning, trace=True)
-    restore()
-    step()  # compiles the traced kernel
-    restore()
-    step()
-    torch.cuda.synchronize()
-    ws = kd.workspace_for(cache, Hq)
-    rows = trace_rows(ws, ws.trace.cpu())
-    kd.TUNING = tuning
-    return rows
-
-
-def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype, traces: list | None = None) -> list[dict]:
+def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
     """Every variant on one filled cache (paper heads): replay time, kernel times, agreement with the first."""
     Hq, Hkv, D = 64, 4, 128
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -227,15 +178,6 @@ def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype, traces: list | No
         console().print(f"S={S} B={B} {name:10s} step {med:7.1f} us [{lo:.1f}, {hi:.1f}]  " + " ".join(
             f"{k} {kt.get(k, 0.0):5.1f}" for k in SHORT.values()) + f"  err {err:.1e} idx {same:.3f}")
         console().print("    " + format_timeline(tl))
-        if traces is not None and kd.workspace_for(cache, Hq).fused:
-            with torch.no_grad():
-                for r in trace_step(step, restore, tuning, cache, Hq):
-                    traces.append({"S": S, "B": B, "variant": name, **r})
-                    console().print(f"    {r['kind']:8s} x{r['items']:<5d} start {r['first_start_us']:6.1f}-"
-                                    f"{r['last_start_us']:6.1f} ticket {r['median_ticket_us']:5.1f} (max "
-                                    f"{r['max_ticket_us']:5.1f}) run {r['median_run_us']:5.1f} (max "
-                                    f"{r['max_run_us']:5.1f}) last end {r['last_end_us']:6.1f} us")
-                restore()
     return rows
 
 
@@ -248,7 +190,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="eager steps profiled per variant")
     ap.add_argument("--room", type=int, default=94, help="cache capacity = S + room (room > inner + steps)")
     ap.add_argument("--csv", default="decode_tune.csv")
-    ap.add_argument("--trace", action="store_true", help="per-item timeline of the fused variants (module doc)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA device")
@@ -256,18 +197,15 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     variants = [parse_variant(v, sms) for v in args.variants.split(";") if v.strip()]
     rows = []
-    traces = [] if args.trace else None
     saved = kd.TUNING
     try:
         for cell in args.cells.split(","):
             S, B = (int(x) for x in cell.split("x"))
-            rows += tune_cell(S, B, variants, args, dev, cfg, dtype, traces)
+            rows += tune_cell(S, B, variants, args, dev, cfg, dtype)
             torch.cuda.empty_cache()
     finally:
         kd.TUNING = saved
     write_csv(args.csv, rows)
-    if traces:
-        write_csv(str(Path(args.csv).with_suffix(".trace.csv")), traces)
     # the CSV's name only: the sidecar travels with the results, not the machine's paths
     write_json(sidecar_path(args.csv), {"env": env_metadata(dev), "args": {**vars(args), "csv": Path(args.csv).name},
                                         "rows": rows})

@@ -81,25 +81,22 @@ def _check_case(case, *, max_len=None, tol=1e-5):
     return cache, idx
 
 
-@pytest.mark.parametrize("window_with_sel, uneven, early, fused", [
-    (True, False, False, False), (False, True, False, False), (False, False, True, False),
-    (None, False, None, True), (None, True, None, True)],
-    ids=["window_in_sel_launch", "window_in_cmp_launch-uneven_cmp_shares", "early_combine", "fused",
-         "fused-uneven_cmp_shares"])
-def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel, uneven, early, fused):
+@pytest.mark.parametrize("window_with_sel, uneven, early", [(True, False, False), (False, True, False),
+                                                           (False, False, True)],
+                         ids=["window_in_sel_launch", "window_in_cmp_launch-uneven_cmp_shares", "early_combine"])
+def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel, uneven, early):
     # 0 -> first blocks; 37 -> window wraps at 40, block at 39, selection block at 40; 70 -> 2 compressed splits
     # uneven: 49 compressed slots in 2 shares of 28 (cmp_align 4): the second tile of the first share is masked
     # early: the combine merges the compressed and window partials before it waits for the selection's
-    # fused: launches 2-5 as the items of one launch (fused.py), every kind of item split as above
     extra = dict(cmp_align=4, target_cmp=12) if uneven else {}
     monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, window_with_sel=window_with_sel,
-                                                          early_combine=early, fused=fused, **extra))
+                                                          early_combine=early, **extra))
     case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
     cache, _ = _check_case(case, max_len=200 if uneven else None)
     ws = kd.workspace_for(cache, 4)
     assert ws.n_split_cmp >= 2 and ws.n_split_win >= 3 and ws.n_chunks >= 3 and ws.n_split_sel >= 2
     assert ws.CHUNK_WIN == 2  # the window's 3+ partials merge in two loads: the running sum is rescaled
-    assert ws.window_with_sel is bool(window_with_sel) and ws.fused is fused
+    assert ws.window_with_sel is window_with_sel
     if uneven:
         assert ws.blocks_per_split % ws.BLOCK_N != 0
     assert EVENTS <= all_events(case, cache)

@@ -163,32 +163,22 @@ def test_generate_with_cuda_graph_equals_eager():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("knob", ["pdl", "early_combine", "fused", "fused_pdl"])
+@pytest.mark.parametrize("knob", ["pdl", "early_combine"])
 def test_launch_plan_changes_nothing(gen, dtype, knob, monkeypatch):
-    """The same bits with programmatic dependent launch and without, with the combine started early (merging
-    the compressed and window partials while the selection runs, the window's programs in the compressed
-    launch) and after the selection, and with the step fused into one launch (fused.py: the same items, taken
-    by whichever program is free) and as five launches with the window in the compressed launch, each of the
-    fused plans with PDL and without."""
-    if knob != "fused" and not kd.pdl_supported(torch.device("cuda")):
+    """The same bits with programmatic dependent launch and without, and with the combine started early
+    (merging the compressed and window partials while the selection runs, the window's programs in the
+    compressed launch) and after the selection."""
+    if not kd.pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch (and the early combine) needs a GPU of sm 9.0 or later and "
                     "Triton 3.4 or later")
     case = make_case(gen, CONFIGS["paper"], [1, 500, 1100, 2047], 20, 16, 2, 64, 64, dtype=dtype, device="cuda")
     runs = {}
     for on in (True, False):
-        if knob == "fused":  # against the five launches whose partials have the fused step's layout
-            change = {"fused": on, "window_with_sel": None if on else False, "early_combine": None if on else False}
-        elif knob == "fused_pdl":
-            change = {"fused": True, "pdl": on}
-        else:
-            change = {"fused": False, knob: on}
-        monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, **change))
+        monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, **{knob: on}))
         cache = prefill_cache(case)
         runs[on] = decode_all(case, cache, "triton")
         ws = kd.workspace_for(cache, 16)
-        assert ws.fused is (on if knob == "fused" else knob == "fused_pdl")
-        if knob in ("pdl", "early_combine"):
-            assert getattr(ws, knob) is on
+        assert getattr(ws, knob) is on
         if knob == "early_combine":
             assert ws.window_with_sel is not on
     assert torch.equal(runs[True][1], runs[False][1])

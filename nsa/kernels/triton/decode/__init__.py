@@ -39,6 +39,19 @@ and waits on the device for the rest; the window programs of launch 4 need no sc
 of launch 3. H100, paper heads, bf16, CUDA graphs: 8k x 8 35.3 -> 32.1 us, 64k x 1 26.7 -> 24.1, 64k x 8
 68.1 -> 65.9; 64k x 32 and 128k x 16 unchanged.
 
+Nor did one launch of work items in place of launches 2-5 pay (the code: commit 807c070, `Tuning(fused=True)`;
+the figures: bench/results/h200-cu130-torch2.11/decode-fused/). Each program took one item (a compressed,
+window, scoring, selection or combine program's work, the same splits) from a queue by an atomic ticket, and
+waited on per-(b, KV head) counters (release increments, acquire polls) for the items it read, so that a
+(b, KV head)'s scoring started as soon as its own compressed items ended; the results were bitwise those of the
+five launches. H200, paper heads, bf16, CUDA graphs, both in one process: 64k x 8 49.1 -> 60.8 us, 64k x 1 20.7
+-> 33.9, 8k x 8 28.0 -> 34.4, 64k x 32 144.3 -> 179.5 (150.6 with 128 blocks per scoring item). Its per-item
+trace at 64k x 1, every item resident from the start: the compressed items end at 10.0 us, the scoring at 16.1,
+the selection at 25.1, the combine at 31.7, each dependent hop about 3.5 us longer than between launches under
+PDL; neither counters on lines of their own, sleeping between polls, relaxed polls with one acquire, nor the
+waits after the prologue's loads moved it. At 64k x 8 the 1056 scoring items held the program slots from 16.6 to
+41.5 us. Programs looping over items instead (persistent) took 255 registers, two programs per SM: 70.3 us.
+
 Grids, splits and buffers depend on the cache's capacity only (DecodeWorkspace, made once per cache and
 head count): the step allocates nothing but its output (and not even that with out=), never reads the
 device back, and can be captured in a CUDA graph and replayed at every later position.
@@ -53,7 +66,6 @@ from ..common import LOG2E
 from .append import _append_kernel
 from .cmp_win import _cmp_win_kernel
 from .combine import _combine_kernel
-from .fused import _step_kernel
 from .parts import _attend_tile, _fold_parts, _load_parts, _merge_parts, _store_partial, _window_partial
 from .score_topk import _score_topk_kernel
 from .sel import _merge_candidates, _sel_kernel
@@ -119,34 +131,12 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         ksel, vsel, cache.k_win, cache.v_win, cache.k_raw_cmp, cache.v_raw_cmp, kcmp, vcmp,
         k.stride(0), k.stride(2), v.stride(0), v.stride(2), kc.stride(0), kc.stride(2), vc.stride(0), vc.stride(2),
         kw.stride(0), kw.stride(2), vw.stride(0), vw.stride(2),
-        Hkv, Dk, Dv, cache.max_len, W, NB, *pages["args"], ws.counters,
+        Hkv, Dk, Dv, cache.max_len, W, NB, *pages["args"],
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_L=ws.BLOCK_L, BLOCK_DK=ws.BLOCK_DK,
-        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **pages["meta"], PDL=ws.pdl, COUNTERS=ws.fused,
-        CSTRIDE=ws.counter_stride,
-        **_launch_opts(device, 2),
+        BLOCK_DV=ws.BLOCK_DV, AVG=compress_fn is None, **pages["meta"], PDL=ws.pdl, **_launch_opts(device, 2),
     )
     if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
         cache.compress_step(compress_fn)
-    if ws.fused:
-        _step_kernel[(ws.n_items,)](
-            q, ws.pos, cache.cache_seqlens, kcmp, vcmp, cache.k_win, cache.v_win, ksel, vsel, ws.scratch, ws.pm,
-            ws.pl, ws.pacc, ws.cand, ws.scores, idx, gates, out, ws.counters,
-            ws.trace if ws.trace is not None else ws.counters,
-            q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), gates.stride(0), gates.stride(2), gates.stride(3),
-            out.stride(0), out.stride(2),
-            Hkv, ws.G, Dk, Dv, NB, W, cache.max_len, ws.NJ, BH, ws.n_split_cmp, ws.n_split_win, ws.n_chunks,
-            ws.n_split_sel, ws.n_dv_tiles, ws.n_parts, ws.n_cand, ws.blocks_per_split, ws.slots_per_split,
-            ws.slots_per_prog, qk_scale, *pages["args"],
-            BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
-            N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, NC_PAD=ws.NC_PAD,
-            BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N, BLOCK_N_SEL=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK,
-            BLOCK_DV=ws.BLOCK_DV, CHUNK_J=ws.CHUNK_J, SPLIT_PAD=ws.SPLIT_PAD, DV_TILE=ws.DV_TILE,
-            CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN, CHUNK_SEL=ws.CHUNK_SEL, IEEE=ieee, **pages["meta"],
-            PDL=ws.pdl, CSTRIDE=ws.counter_stride, NAP_NS=ws.tuning.nap_ns if on_gpu(device) else 0,
-            TRACE=ws.trace is not None and on_gpu(device),
-            **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp", ws.pdl),
-        )
-        return out, idx
     _cmp_win_kernel[(ws.grid_cmp, BH)](
         q, ws.pos, kcmp, vcmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
         q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
@@ -186,5 +176,5 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
 __all__ = ["DecodeWorkspace", "TUNING", "Tuning", "decode_step_triton", "max_free_blocks", "pdl_supported",
            "plan_combine", "workspace_for",
            "_append_kernel", "_attend_tile", "_cmp_win_kernel", "_combine_kernel", "_fold_parts", "_load_parts",
-           "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_step_kernel",
-           "_store_partial", "_window_partial"]
+           "_merge_candidates", "_merge_parts", "_score_topk_kernel", "_sel_kernel", "_store_partial",
+           "_window_partial"]

@@ -1,7 +1,6 @@
 """Launch 1 of a decode step (grid B x Hkv): the token into the raw K/V, the window ring and the raw
 compression ring; the mean of a compressed block that completes at t (compress="mlp": the launcher runs phi
-in torch right after); t saved in the workspace (`pos`); for the fused step (fused.py), its work queue and
-its counters zeroed (COUNTERS)."""
+in torch right after); t saved in the workspace (`pos`)."""
 
 from __future__ import annotations
 
@@ -15,10 +14,10 @@ from .parts import _cmp_row, _let_next_start, _token_row
 def _append_kernel(
     SEQ, POS, KN, VN, KCN, VCN, KWN, VWN, KSEL, VSEL, KWIN, VWIN, KRAW, VRAW, KCMP, VCMP,
     skn_b, skn_h, svn_b, svn_h, skc_b, skc_h, svc_b, svc_h, skw_b, skw_h, svw_b, svw_h,
-    Hkv, Dk, Dv, max_len, W, NB, BT, sbt, CNT,
+    Hkv, Dk, Dv, max_len, W, NB, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, AVG: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr, COUNTERS: tl.constexpr = False, CSTRIDE: tl.constexpr = 1,
+    PDL: tl.constexpr,
 ):
     _let_next_start(PDL)  # at once: the compressed launch loads its queries, then waits for this launch to end
     b = tl.program_id(0).to(tl.int64)
@@ -26,14 +25,6 @@ def _append_kernel(
     t = tl.load(SEQ + b).to(tl.int64)
     if h == 0:
         tl.store(POS + b, t.to(tl.int32))
-    if COUNTERS:  # the fused step's queue head (CNT[0]) and this (b, KV head)'s three counters
-        BH = tl.num_programs(0) * Hkv
-        bh = b * Hkv + h
-        tl.store(CNT + (1 + bh) * CSTRIDE, 0)
-        tl.store(CNT + (1 + BH + bh) * CSTRIDE, 0)
-        tl.store(CNT + (1 + 2 * BH + bh) * CSTRIDE, 0)
-        if bh == 0:
-            tl.store(CNT, 0)
     rdk = tl.arange(0, BLOCK_DK)
     rdv = tl.arange(0, BLOCK_DV)
     mk = rdk < Dk

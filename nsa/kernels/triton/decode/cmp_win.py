@@ -40,22 +40,8 @@ def _cmp_win_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _cmp_win_program(
-        Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC, tl.program_id(0), tl.program_id(1).to(tl.int64),
-        sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale, BT, sbt,
-        BLOCK_CMP, STRIDE_CMP, BLOCK_G, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, PAGE, PAGED, PDL)
-
-
-@triton.jit
-def _cmp_win_program(
-    Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC, sp, bh,
-    sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale, BT, sbt,
-    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Compressed program sp < n_split_cmp, or window program sp - n_split_cmp, of (b, KV head) bh (int64):
-    the body of _cmp_win_kernel, and of the fused step's compressed and window items (fused.py)."""
+    sp = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
                                                                    BLOCK_N, BLOCK_DK, BLOCK_DV, PDL)
     if sp < n_split_cmp:

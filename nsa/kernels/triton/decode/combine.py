@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _load_parts, _merge_parts, _wait_inputs, _wait_previous
+from .parts import _load_parts, _merge_parts, _wait_previous
 
 
 @triton.jit
@@ -29,21 +29,8 @@ def _combine_kernel(
     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
     CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    _combine_program(POS, SEQ, PM, PL, PACC, GATES, OUT, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
-                     BLOCK_G, BLOCK_DV, DV_TILE, CHUNK_CMP, CHUNK_WIN, CHUNK_SEL, PDL, EARLY, PM, 0, 0, 1, False, 0)
-
-
-@triton.jit
-def _combine_program(
-    POS, SEQ, PM, PL, PACC, GATES, OUT, bh, dt,
-    sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
-    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
-    CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    CNT, widx, wtarget, CSTRIDE: tl.constexpr, AWAIT: tl.constexpr, NAP_NS: tl.constexpr,
-):
-    """Columns tile dt of (b, KV head) bh (int64): the body of _combine_kernel and of the fused step's combine
-    items (fused.py: AWAIT, counter widx of CNT reaching wtarget, stands for the launch boundary)."""
+    bh = tl.program_id(0).to(tl.int64)
+    dt = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
     rg = tl.arange(0, BLOCK_G)
@@ -72,8 +59,7 @@ def _combine_program(
         ms, ls, as_ = _load_parts(PM, PL, PACC, bh, n_parts, p1, n_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,
                                   CHUNK_SEL)
     else:
-        # the partials of the selection launch (the gates are a step input)
-        _wait_inputs(PDL, CNT, widx, wtarget, CSTRIDE, AWAIT, NAP_NS)
+        _wait_previous(PDL)  # the partials of the selection launch (the gates are a step input)
         # The first chunk of each branch's partials [cmp | win | sel] is loaded before any arithmetic: one memory
         # round trip for the three (usually every partial), not one per branch; the merge is latency-bound.
         mc, lc, ac = _load_parts(PM, PL, PACC, bh, n_parts, 0, n_cmp_parts, rg, rdv, dv_ok, BLOCK_G, BLOCK_DV,

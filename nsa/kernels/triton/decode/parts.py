@@ -37,41 +37,6 @@ def _wait_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def _nap(ns: tl.constexpr):
-    """Sleep about ns nanoseconds (CUDA only)."""
-    tl.inline_asm_elementwise(f"nanosleep.u32 {ns};\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _await_count(CNT, i, target, CSTRIDE: tl.constexpr, NAP_NS: tl.constexpr):
-    """Wait until counter i of the fused step (fused.py) reaches target: relaxed polls, then one acquire load,
-    after which the stores of the items it counts are visible. Polling with acquire loads measured slower:
-    each invalidates the L1 of the SM, under the items working beside the waiting one."""
-    c = tl.atomic_add(CNT + i * CSTRIDE, 0, sem="relaxed")
-    while c < target:
-        if NAP_NS > 0:
-            _nap(NAP_NS)
-        c = tl.atomic_add(CNT + i * CSTRIDE, 0, sem="relaxed")
-    # The acquire. Its value must be used, or the compiler drops the load (an add of 0 whose result is unused);
-    # the loop never turns (the counter only grows).
-    c = tl.atomic_add(CNT + i * CSTRIDE, 0, sem="acquire")
-    while c < target:
-        c = tl.atomic_add(CNT + i * CSTRIDE, 0, sem="acquire")
-
-
-@triton.jit
-def _wait_inputs(PDL: tl.constexpr, CNT, i, target, CSTRIDE: tl.constexpr, AWAIT: tl.constexpr,
-                 NAP_NS: tl.constexpr):
-    """Wait for what the launch or item before produced: the previous launch under PDL (_wait_previous), or,
-    in the fused step (AWAIT), counter i reaching target (_await_count). Called where a program has loaded
-    what it can without them (its query, its gates), so those loads do not wait too."""
-    _wait_previous(PDL)
-    if AWAIT:
-        _await_count(CNT, i, target, CSTRIDE, NAP_NS)
-
-
-@triton.jit
 def _let_next_start(PDL: tl.constexpr):
     """Under PDL, let the step's next launch start (once every program of this one has called this or ended).
     Called after a program's main loop (the append, a tiny launch, calls it first thing): the next launch's

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .parts import _let_next_start, _wait_inputs
+from .parts import _let_next_start, _wait_previous
 
 
 @triton.jit
@@ -29,25 +29,11 @@ def _score_topk_kernel(
     N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
     CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    _score_chunk(POS, SCR, PM, PL, CAND, SCORES, tl.program_id(0), tl.program_id(1).to(tl.int64),
-                 Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks, BLOCK_CMP, STRIDE_CMP, BLOCK_SEL, N_INIT, N_LOCAL,
-                 K_FREE, N_PAD, BLOCK_G, CHUNK_J, SPLIT_PAD, PDL, PM, 0, 0, 1, False, 0)
-
-
-@triton.jit
-def _score_chunk(
-    POS, SCR, PM, PL, CAND, SCORES, c, bh,
-    Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
-    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
-    N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
-    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
-    CNT, widx, wtarget, CSTRIDE: tl.constexpr, AWAIT: tl.constexpr, NAP_NS: tl.constexpr,
-):
-    """Scoring chunk c of (b, KV head) bh (int64): the body of _score_topk_kernel and of the fused step's
-    scoring items (fused.py: AWAIT, counter widx of CNT reaching wtarget, stands for the launch boundary)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     t = tl.load(POS + b).to(tl.int64)  # the append's, finished before this launch could start
-    _wait_inputs(PDL, CNT, widx, wtarget, CSTRIDE, AWAIT, NAP_NS)  # the compressed partials and logits
+    _wait_previous(PDL)  # the compressed launch's partials and logits
     n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G

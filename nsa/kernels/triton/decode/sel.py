@@ -13,7 +13,7 @@ from .parts import (
     _query_tile,
     _store_partial,
     _token_row,
-    _wait_inputs,
+    _wait_previous,
     _window_partial,
 )
 
@@ -70,12 +70,11 @@ def _sel_kernel(
 ):
     sp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
+                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV, False)
     # Under PDL this launch starts once the scoring programs run, after the compressed launch has finished: the
-    # query, the position and the window ring (the append's) are ready; the candidates are not (_sel_program
-    # waits for them after loading its query).
+    # query, the position and the window ring (the append's) are ready; the candidates are not.
     if sp >= n_split_sel:  # window programs (Tuning.window_with_sel): no merge, they start at once
-        b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv,
-                                                                       BLOCK_G, BLOCK_N, BLOCK_DK, BLOCK_DV, False)
         # they read nothing of the scoring launch: they run beside it, without waiting
         m_i, l_i, acc = _window_partial(q, t, KWIN, VWIN, b, h, sp - n_split_sel, Hkv, Dk, Dv, W, slots_per_split,
                                         qk_scale, rg, rn, rdk, rdv, dk_ok, dv_ok, BLOCK_G, BLOCK_N, BLOCK_DV, IEEE)
@@ -83,58 +82,36 @@ def _sel_kernel(
         _store_partial(PM, PL, PACC, bh * n_parts + n_split_cmp + sp - n_split_sel, m_i, l_i, acc, rg, rdv, BLOCK_G,
                        BLOCK_DV)
     else:
-        _sel_program(Q, POS, CAND, KSEL, VSEL, IDX, PM, PL, PACC, sp, bh, sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv,
-                     max_len, n_cand, n_parts, part0, slots_per_prog, qk_scale, BT, sbt, BLOCK_SEL, N_INIT, N_LOCAL,
-                     N_SEL, N_PAD, NC_PAD, BLOCK_G, BLOCK_N, BLOCK_DK, BLOCK_DV, IEEE, PAGE, PAGED, PDL, EARLY_NEXT,
-                     PM, 0, 0, 1, False, 0)
-
-
-@triton.jit
-def _sel_program(
-    Q, POS, CAND, KSEL, VSEL, IDX, PM, PL, PACC, sp, bh,
-    sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, n_cand, n_parts, part0, slots_per_prog, qk_scale, BT, sbt,
-    BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
-    N_PAD: tl.constexpr, NC_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr, EARLY_NEXT: tl.constexpr,
-    CNT, widx, wtarget, CSTRIDE: tl.constexpr, AWAIT: tl.constexpr, NAP_NS: tl.constexpr,
-):
-    """Selection program sp of (b, KV head) bh (int64): the candidates merged, program 0's indices written, its
-    share of the selected blocks attended, its partial stored. The body of _sel_kernel's selection programs and
-    of the fused step's selection items (fused.py: AWAIT, counter widx of CNT reaching wtarget, stands for the
-    launch boundary)."""
-    b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
-                                                                   BLOCK_N, BLOCK_DK, BLOCK_DV, False)
-    # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
-    # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
-    _wait_inputs(PDL, CNT, widx, wtarget, CSTRIDE, AWAIT, NAP_NS)  # the candidates
-    if EARLY_NEXT:  # the early combine (combine.py): it starts now and merges the other branches meanwhile
-        _let_next_start(PDL)
-    srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
-    rk = tl.arange(0, N_PAD)
-    if sp == 0:
-        tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    # The selected blocks are a prefix of srt (-1 after them): one flat loop over this program's (block,
-    # key tile) pairs, with no branch in it, so that Triton software-pipelines it (the next tile's K/V
-    # loads in flight while this one is attended); the nested loop with `if block >= 0` was not (H100,
-    # paper heads, 64k x 32: this launch 50.3 -> 43.2 us).
-    N_TILES: tl.constexpr = (BLOCK_SEL + BLOCK_N - 1) // BLOCK_N
-    n_valid = tl.sum((srt >= 0).to(tl.int32))
-    r_lo = sp * slots_per_prog
-    r_hi = tl.minimum(tl.minimum(r_lo + slots_per_prog, N_SEL), n_valid)
-    for it in range(r_lo * N_TILES, r_hi * N_TILES):
-        r = it // N_TILES
-        c = (it % N_TILES) * BLOCK_N
-        jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
-        u = jb * BLOCK_SEL + c + rn
-        ok = (c + rn < BLOCK_SEL) & (u <= t)
-        row = _token_row(BT, sbt, b, u, h, Hkv, max_len, ok, PAGE, PAGED)
-        _, m_i, l_i, acc = _attend_tile(
-            q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
-            ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
-    if not EARLY_NEXT:
-        _let_next_start(PDL)
-    _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)
+        # Every program merges the candidates itself: measured faster than one merge per (b, KV head) behind an
+        # atomic ticket in the scoring kernel (the merge is a serial chain; repeating it in parallel costs little).
+        _wait_previous(PDL)
+        if EARLY_NEXT:  # the early combine (combine.py): it starts now and merges the other branches meanwhile
+            _let_next_start(PDL)
+        srt = _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL, N_INIT, N_LOCAL, N_SEL, N_PAD, NC_PAD)
+        rk = tl.arange(0, N_PAD)
+        if sp == 0:
+            tl.store(IDX + b * si_b + h * si_h + rk, srt.to(tl.int32), mask=rk < N_SEL)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        # The selected blocks are a prefix of srt (-1 after them): one flat loop over this program's (block,
+        # key tile) pairs, with no branch in it, so that Triton software-pipelines it (the next tile's K/V
+        # loads in flight while this one is attended); the nested loop with `if block >= 0` was not (H100,
+        # paper heads, 64k x 32: this launch 50.3 -> 43.2 us).
+        N_TILES: tl.constexpr = (BLOCK_SEL + BLOCK_N - 1) // BLOCK_N
+        n_valid = tl.sum((srt >= 0).to(tl.int32))
+        r_lo = sp * slots_per_prog
+        r_hi = tl.minimum(tl.minimum(r_lo + slots_per_prog, N_SEL), n_valid)
+        for it in range(r_lo * N_TILES, r_hi * N_TILES):
+            r = it // N_TILES
+            c = (it % N_TILES) * BLOCK_N
+            jb = tl.sum(tl.where(rk == r, srt, 0)).to(tl.int64)
+            u = jb * BLOCK_SEL + c + rn
+            ok = (c + rn < BLOCK_SEL) & (u <= t)
+            row = _token_row(BT, sbt, b, u, h, Hkv, max_len, ok, PAGE, PAGED)
+            _, m_i, l_i, acc = _attend_tile(
+                q, KSEL + row[:, None] * Dk + rdk[None, :], VSEL + row[:, None] * Dv + rdv[None, :],
+                ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :], ok, m_i, l_i, acc, qk_scale, IEEE)
+        if not EARLY_NEXT:
+            _let_next_start(PDL)
+        _store_partial(PM, PL, PACC, bh * n_parts + part0 + sp, m_i, l_i, acc, rg, rdv, BLOCK_G, BLOCK_DV)

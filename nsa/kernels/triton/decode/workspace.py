@@ -93,14 +93,6 @@ class Tuning:
         (3.4 and later) have it). Each launch then starts while the one before it ends and waits on the
         device for its results, so launch latency and the previous launch's tail overlap; the window
         programs of the selection launch need no scores and run beside the scoring launch.
-    fused: launches 2-5 as one launch of work items (nsa.kernels.triton.decode.fused): the same splits, the
-        window's programs as items after the compressed ones, each item waiting on the device for those it
-        reads (default: plan_fused).
-    counter_stride: int32 elements between the fused step's counters (default 32: one 128-byte line each, so
-        that the polls of one (b, KV head)'s items and the increments of another's do not share a line).
-    nap_ns: the fused step's waiting items sleep this long between polls (default 0: no sleep).
-    trace: the fused step records each item's start, ready and end times and its SM (`DecodeWorkspace.trace`,
-        read by bench/tune_decode.py --trace); CUDA only.
     Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
@@ -122,21 +114,6 @@ class Tuning:
     window_with_sel: bool | None = None
     early_combine: bool | None = None
     pdl: bool | None = None
-    fused: bool | None = None
-    counter_stride: int = 32
-    nap_ns: int = 0
-    trace: bool = False
-
-
-FUSED_BY_DEFAULT = False  # measured slower than the five launches in every cell (fused.py)
-
-
-def plan_fused(tuning: Tuning) -> bool:
-    """Whether the step runs as one fused launch: Tuning's choice, else the default unless the tuning places
-    the window's programs or the combine, which only the five-launch plan has."""
-    if tuning.fused is not None:
-        return bool(tuning.fused)
-    return FUSED_BY_DEFAULT and tuning.window_with_sel is None and tuning.early_combine is None
 
 
 def plan_combine(tuning: Tuning, pdl: bool, combine_programs: int, sms: int) -> tuple[bool, bool]:
@@ -226,16 +203,7 @@ class DecodeWorkspace:
             max(2, min(_np2(n), cap)) for n in (self.n_split_cmp, self.n_split_win, self.n_split_sel))
         self.tuning = tuning
         self.pdl = bool(tuning.pdl is not False and pdl_supported(device))
-        self.n_dv_tiles = _cdiv(Dv, self.DV_TILE)
-        self.fused = plan_fused(tuning)
-        if self.fused:  # one launch: the window's items come after the compressed ones, parts [cmp | win | sel]
-            if tuning.window_with_sel or tuning.early_combine:
-                raise ValueError("Tuning: fused=True runs the window and the combine as items of its one launch; "
-                                 "window_with_sel and early_combine do not apply")
-            self.early_combine, self.window_with_sel = False, False
-        else:
-            self.early_combine, self.window_with_sel = plan_combine(tuning, self.pdl, BH * self.n_dv_tiles, sms)
-        self.n_items = BH * (self.n_split_cmp + self.n_split_win + self.n_chunks + self.n_split_sel + self.n_dv_tiles)
+        self.early_combine, self.window_with_sel = plan_combine(tuning, self.pdl, BH * _cdiv(Dv, self.DV_TILE), sms)
         win = self.n_split_win
         self.grid_cmp = self.n_split_cmp + (0 if self.window_with_sel else win)
         self.grid_sel = self.n_split_sel + (win if self.window_with_sel else 0)
@@ -257,16 +225,10 @@ class DecodeWorkspace:
         self.cand = torch.empty(BH, self.n_cand, dtype=torch.int64, device=device)
         self.scores = torch.zeros(BH, self.NJ, **f32)
         self.indices = torch.empty(B, 1, Hkv, cfg.n_sel, dtype=torch.int32, device=device)
-        # the fused step's queue head and per-(b, KV head) counters (fused.py); the append zeroes them
-        self.counter_stride = max(1, tuning.counter_stride)
-        self.counters = torch.zeros((1 + 3 * BH) * self.counter_stride, dtype=torch.int32, device=device)
-        # the fused step's trace (Tuning.trace): per item start, ready, end (globaltimer ns) and SM
-        self.trace = torch.zeros(self.n_items, 4, dtype=torch.int64, device=device) if tuning.trace else None
 
     def describe(self) -> str:
         """The split plan, e.g. "cmp17x256/win8x64/sel16x1/chunks5x256" (programs x items per program)."""
         win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
                 f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}"
-                + ("/early" if self.early_combine else "") + ("/fused" if self.fused else "")
-                + ("/pdl" if self.pdl else ""))
+                + ("/early" if self.early_combine else "") + ("/pdl" if self.pdl else ""))

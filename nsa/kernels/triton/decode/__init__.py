@@ -39,18 +39,18 @@ and waits on the device for the rest; the window programs of launch 4 need no sc
 of launch 3. H100, paper heads, bf16, CUDA graphs: 8k x 8 35.3 -> 32.1 us, 64k x 1 26.7 -> 24.1, 64k x 8
 68.1 -> 65.9; 64k x 32 and 128k x 16 unchanged.
 
-Nor did one launch of work items in place of launches 2-5 pay (the code: commit 807c070, `Tuning(fused=True)`;
-the figures: bench/results/h200-cu130-torch2.11/decode-fused/). Each program took one item (a compressed,
-window, scoring, selection or combine program's work, the same splits) from a queue by an atomic ticket, and
-waited on per-(b, KV head) counters (release increments, acquire polls) for the items it read, so that a
+Nor did one launch of work items in place of launches 2-5 pay (the code: commit 807c070, `Tuning(fused=True)`; the
+figures: bench/results/h200-cu130-torch2.11/decode-fused/). Each program took one item (a compressed, window,
+scoring, selection or combine program's work, the same splits) from a queue by an atomic ticket, and waited on
+per-(b, KV head) counters (release increments; relaxed polls, then one acquire) for the items it read, so that a
 (b, KV head)'s scoring started as soon as its own compressed items ended; the results were bitwise those of the
-five launches. H200, paper heads, bf16, CUDA graphs, both in one process: 64k x 8 49.1 -> 60.8 us, 64k x 1 20.7
--> 33.9, 8k x 8 28.0 -> 34.4, 64k x 32 144.3 -> 179.5 (150.6 with 128 blocks per scoring item). Its per-item
-trace at 64k x 1, every item resident from the start: the compressed items end at 10.0 us, the scoring at 16.1,
-the selection at 25.1, the combine at 31.7, each dependent hop about 3.5 us longer than between launches under
-PDL; neither counters on lines of their own, sleeping between polls, relaxed polls with one acquire, nor the
-waits after the prologue's loads moved it. At 64k x 8 the 1056 scoring items held the program slots from 16.6 to
-41.5 us. Programs looping over items instead (persistent) took 255 registers, two programs per SM: 70.3 us.
+five launches. H200, paper heads, bf16, CUDA graphs, both in one process: 64k x 8 49.1 -> 60.8 us, 64k x 1 20.7 ->
+33.9, 8k x 8 28.0 -> 34.4, 64k x 32 144.3 -> 179.5 (150.6 with 128 blocks per scoring item). Its per-item trace at
+64k x 1, every item resident from the start: the compressed items end at 10.0 us, the scoring at 16.1, the
+selection at 25.1, the combine at 31.7, each dependent hop about 3.5 us longer than between launches under PDL;
+neither counters on lines of their own, sleeping between polls, relaxed polls (acquire polls before), nor the waits
+after the prologue's loads moved it. At 64k x 8 the 1056 scoring items held the program slots from 16.6 to 41.5 us.
+Programs looping over items instead (persistent) took 255 registers, two programs per SM: 70.3 us.
 
 Grids, splits and buffers depend on the cache's capacity only (DecodeWorkspace, made once per cache and
 head count): the step allocates nothing but its output (and not even that with out=), never reads the

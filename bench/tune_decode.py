@@ -14,6 +14,8 @@ change at a time. Prints a table per cell and writes a CSV (JSON sidecar with th
 The timeline (`<kernel>_start_us`, `<kernel>_end_us`, `step_span_us`: medians over eager steps queued while the
 GPU sleeps, so the launches wait on the GPU, not on the host) shows what the kernel times cannot: how much of
 each launch overlaps the one before it under programmatic dependent launch, and which launch the step waits on.
+The same columns prefixed `graph_` come from CUDA-graph replays of the step (the figure of merit): a graph can
+order launches otherwise than eager launches do, e.g. where a step's launches run in more than one stream.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def parse_variant(text: str, sms: int) -> tuple[str, kd.Tuning]:
 
 
 TIMELINE_COLUMNS = (*(f"{k}_{e}_us" for k in SHORT.values() for e in ("start", "end")), "step_span_us")
+# The timeline columns again with the prefix graph_: the same from CUDA-graph replays of the step.
 
 
 def short_name(kernel: str) -> str:
@@ -104,7 +107,8 @@ def step_timeline(events) -> dict[str, float]:
 
 
 def kernel_timeline(step, steps: int) -> dict[str, float]:
-    """step_timeline of `steps` eager steps, queued behind a GPU sleep so that each launch waits on the GPU."""
+    """step_timeline of `steps` calls of step (eager steps, or replays of a step's CUDA graph), queued behind a
+    GPU sleep so that each launch waits on the GPU, not on the host."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(50_000_000)  # tens of ms: longer than queueing the steps takes the host
         for _ in range(steps):
@@ -119,8 +123,9 @@ def format_timeline(tl: dict[str, float]) -> str:
     return "timeline (us) " + " ".join(parts) + f" | step {tl.get('step_span_us', 0.0):.1f}"
 
 
-def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, float]:
-    """(median, min, max) us per CUDA-graph replay of one step, timed as bench_decode times its steps."""
+def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, float, torch.cuda.CUDAGraph]:
+    """(median, min, max) us per CUDA-graph replay of one step, timed as bench_decode times its steps, and the
+    graph."""
     restore()
     graph = torch.cuda.CUDAGraph()
     step()
@@ -129,7 +134,7 @@ def replay_us(step, restore, inner: int, repeats: int) -> tuple[float, float, fl
         step()
     times = [ms * 1e3 for ms in time_batches(graph.replay, restore, torch.device("cuda"), inner, repeats,
                                              warmup=0, warm_seconds=0.0)]
-    return statistics.median(times), min(times), max(times)
+    return statistics.median(times), min(times), max(times), graph
 
 
 def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
@@ -164,7 +169,11 @@ def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
                 ref = (o.float().clone(), idx.clone())
             err = float((o.float() - ref[0]).abs().max() / ref[0].abs().max().clamp_min(1e-30))
             same = float((idx == ref[1]).all(-1).float().mean())
-            med, lo, hi = replay_us(step, restore, args.inner, args.repeats)
+            med, lo, hi, graph = replay_us(step, restore, args.inner, args.repeats)
+            restore()
+            # the replays' own timeline (module doc)
+            gtl = kernel_timeline(graph.replay, args.steps)
+            del graph
             restore()
             kt = kernel_times(step, args.steps)
             restore()
@@ -173,11 +182,13 @@ def tune_cell(S: int, B: int, variants, args, dev, cfg, dtype) -> list[dict]:
         rows.append({"S": S, "B": B, "variant": name, "step_us": med, "step_min_us": lo, "step_max_us": hi,
                      **{f"{k}_us": kt.get(k, 0.0) for k in (*SHORT.values(), "other")},
                      **{c: tl.get(c, float("nan")) for c in TIMELINE_COLUMNS},
+                     **{f"graph_{c}": gtl.get(c, float("nan")) for c in TIMELINE_COLUMNS},
                      "rel_err_vs_first": err, "idx_agree_vs_first": same,
                      "splits": kd.workspace_for(cache, Hq).describe(), "tuning": str(dataclasses.asdict(tuning))})
         console().print(f"S={S} B={B} {name:10s} step {med:7.1f} us [{lo:.1f}, {hi:.1f}]  " + " ".join(
             f"{k} {kt.get(k, 0.0):5.1f}" for k in SHORT.values()) + f"  err {err:.1e} idx {same:.3f}")
         console().print("    " + format_timeline(tl))
+        console().print("    graph " + format_timeline(gtl))
     return rows
 
 

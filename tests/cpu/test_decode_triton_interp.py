@@ -103,18 +103,6 @@ def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel,
     assert telemetry.served("sel")["triton_decode"] == 5
 
 
-def test_kernels_batch_in_parts_equal_one_part(gen, monkeypatch):
-    """Tuning.batch_parts: 3 sequences in parts of 2 and 1 (each part's launches offset by its first (b, KV
-    head)): bitwise the one-part step's outputs and blocks, both equal to prefill."""
-    case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
-    one, one_idx = decode_all(case, prefill_cache(case), "triton")
-    monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, batch_parts=2))
-    cache, idx = _check_case(case)
-    got, _ = decode_all(case, prefill_cache(case), "triton")
-    assert kd.workspace_for(cache, 4).batch_parts == [(0, 2), (2, 1)]
-    assert torch.equal(idx, one_idx) and torch.equal(got, one)
-
-
 def test_kernels_fp16(gen):
     """The 16-bit path (bf16 on the GPU takes the same code): blocks as prefill on most rows, outputs close."""
     case = make_case(gen, CFG, [6, 45], 4, 4, 2, 16, 16, dtype=torch.float16)

@@ -52,6 +52,15 @@ neither counters on lines of their own, sleeping between polls, relaxed polls (a
 after the prologue's loads moved it. At 64k x 8 the 1056 scoring items held the program slots from 16.6 to 41.5 us.
 Programs looping over items instead (persistent) took 255 registers, two programs per SM: 70.3 us.
 
+Nor did splitting the batch into parts pay, so that a part's scoring, selection and combine overlap the next part's
+compressed launch (the code: commit d16216a, `Tuning(batch_parts=P)`; the figures: bench/results/h200-cu130-
+torch2.11/decode-parts/). The parts' compressed launches ran in the step's stream, each part's later launches in a
+side stream of higher priority once its own compressed launch had ended. H200, paper heads, bf16, CUDA graphs:
+64k x 8 50.2 -> 65.6 us (2 parts), 94.2 (4), 138.3 (8); 64k x 32 144.2 -> 148.5 (2), 170.4 (4); 8k x 8 29.0 ->
+39.3 (2). In the graph each part's compressed launch started 2.5-3 us after the one before it had ended (the
+event each part records ends the programmatic overlap of consecutive launches), and a part's launch, a quarter of
+the batch in 176-396 programs of 1-3 key tiles, streamed its 16 MiB in 11-19 us: too few bytes per program.
+
 Grids, splits and buffers depend on the cache's capacity only (DecodeWorkspace, made once per cache and
 head count): the step allocates nothing but its output (and not even that with out=), never reads the
 device back, and can be captured in a CUDA graph and replayed at every later position.
@@ -124,6 +133,7 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
     qk_scale = cfg.softmax_scale(Dk) * LOG2E
     ieee = q.dtype == torch.float32
     NB, W = cache.cmp_capacity, cache.window_slots
+    BH = B * Hkv
     ksel, vsel, kcmp, vcmp, pages = _storage(cache)
     _append_kernel[(B, Hkv)](
         cache.cache_seqlens, ws.pos, k, v, kc, vc, kw, vw,
@@ -136,62 +146,39 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
     )
     if compress_fn is not None:  # phi is a torch module: the block completed at t (if any), from the raw ring
         cache.compress_step(compress_fn)
-
-    def compressed(bh0, nb):
-        _cmp_win_kernel[(ws.grid_cmp, nb * Hkv)](
-            q, ws.pos, kcmp, vcmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc, bh0,
-            q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
-            ws.n_parts, qk_scale, *pages["args"],
-            BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
-            BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **pages["meta"], PDL=ws.pdl,
-            **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp", ws.pdl),
-        )
-
-    def chain(bh0, nb):
-        _score_topk_kernel[(ws.n_chunks, nb * Hkv)](
-            ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores, bh0,
-            Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
-            BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
-            N_LOCAL=cfg.n_local, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
-            SPLIT_PAD=ws.SPLIT_PAD, PDL=ws.pdl, **_launch_opts(device, ws.tuning.warps_score, pdl=ws.pdl),
-        )
-        _sel_kernel[(ws.grid_sel, nb * Hkv)](
-            q, ws.pos, ws.cand, ksel, vsel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc, bh0,
-            q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, W, ws.n_cand,
-            ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.n_split_sel, ws.n_split_cmp, ws.slots_per_prog,
-            ws.slots_per_split, qk_scale, *pages["args"],
-            BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
-            NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
-            IEEE=ieee, **pages["meta"], PDL=ws.pdl, EARLY_NEXT=ws.early_combine,
-            **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel", ws.pdl),
-        )
-        _combine_kernel[(nb * Hkv, _cdiv(Dv, ws.DV_TILE))](
-            ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out, bh0,
-            gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
-            ws.n_split_cmp, ws.n_split_win,
-            BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, CHUNK_CMP=ws.CHUNK_CMP,
-            CHUNK_WIN=ws.CHUNK_WIN, CHUNK_SEL=ws.CHUNK_SEL, PDL=ws.pdl, EARLY=ws.early_combine,
-            **_launch_opts(device, ws.tuning.warps_combine, pdl=ws.pdl),
-        )
-
-    parts = ws.batch_parts
-    if len(parts) == 1 or not on_gpu(device):
-        for b0, nb in parts:  # one part (the default), or the interpreter: no streams
-            compressed(b0 * Hkv, nb)
-            chain(b0 * Hkv, nb)
-        return out, idx
-    # Parts of the batch (Tuning.batch_parts): the compressed launches in this stream one after another; each
-    # part's later launches in its side stream once its own compressed launch has ended, beside the next one's.
-    main = torch.cuda.current_stream(device)
-    side = ws.side_streams(device)
-    for (b0, nb), (stream, done) in zip(parts, side):
-        compressed(b0 * Hkv, nb)
-        done.record(main)
-        stream.wait_event(done)
-        with torch.cuda.stream(stream):
-            chain(b0 * Hkv, nb)
-    for stream, _ in side:
-        main.wait_stream(stream)
+    _cmp_win_kernel[(ws.grid_cmp, BH)](
+        q, ws.pos, kcmp, vcmp, cache.k_win, cache.v_win, ws.scratch, ws.pm, ws.pl, ws.pacc,
+        q.stride(0), q.stride(2), Hkv, ws.G, Dk, Dv, NB, W, ws.n_split_cmp, ws.blocks_per_split, ws.slots_per_split,
+        ws.n_parts, qk_scale, *pages["args"],
+        BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N,
+        BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **pages["meta"], PDL=ws.pdl,
+        **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp", ws.pdl),
+    )
+    _score_topk_kernel[(ws.n_chunks, BH)](
+        ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
+        Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
+        BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
+        N_LOCAL=cfg.n_local, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
+        SPLIT_PAD=ws.SPLIT_PAD, PDL=ws.pdl, **_launch_opts(device, ws.tuning.warps_score, pdl=ws.pdl),
+    )
+    _sel_kernel[(ws.grid_sel, BH)](
+        q, ws.pos, ws.cand, ksel, vsel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,
+        q.stride(0), q.stride(2), idx.stride(0), idx.stride(2), Hkv, ws.G, Dk, Dv, cache.max_len, W, ws.n_cand,
+        ws.n_parts, ws.n_split_cmp + ws.n_split_win, ws.n_split_sel, ws.n_split_cmp, ws.slots_per_prog,
+        ws.slots_per_split, qk_scale, *pages["args"],
+        BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, N_SEL=cfg.n_sel, N_PAD=ws.N_PAD,
+        NC_PAD=ws.NC_PAD, BLOCK_G=ws.BLOCK_G, BLOCK_N=ws.BLOCK_N_SEL, BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV,
+        IEEE=ieee, **pages["meta"], PDL=ws.pdl, EARLY_NEXT=ws.early_combine,
+        **_launch_opts(device, ws.tuning.warps_sel, ws, "stages_sel", ws.pdl),
+    )
+    _combine_kernel[(BH, _cdiv(Dv, ws.DV_TILE))](
+        ws.pos, cache.cache_seqlens, ws.pm, ws.pl, ws.pacc, gates, out,
+        gates.stride(0), gates.stride(2), gates.stride(3), out.stride(0), out.stride(2), Hkv, ws.G, Dv, ws.n_parts,
+        ws.n_split_cmp, ws.n_split_win,
+        BLOCK_G=ws.BLOCK_G, BLOCK_DV=ws.BLOCK_DV, DV_TILE=ws.DV_TILE, CHUNK_CMP=ws.CHUNK_CMP, CHUNK_WIN=ws.CHUNK_WIN,
+        CHUNK_SEL=ws.CHUNK_SEL, PDL=ws.pdl, EARLY=ws.early_combine,
+        **_launch_opts(device, ws.tuning.warps_combine, pdl=ws.pdl),
+    )
     return out, idx
 
 

@@ -34,14 +34,14 @@ from .parts import _attend_tile, _cmp_row, _let_next_start, _query_tile, _store_
 
 @triton.jit
 def _cmp_win_kernel(
-    Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC, bh0,
+    Q, POS, KCMP, VCMP, KWIN, VWIN, SCR, PM, PL, PACC,
     sq_b, sq_h, Hkv, G, Dk, Dv, NB, W, n_split_cmp, blocks_per_split, slots_per_split, n_parts, qk_scale, BT, sbt,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     sp = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64) + bh0  # bh0: the first (b, KV head) of this launch's part of the batch
+    bh = tl.program_id(1).to(tl.int64)
     b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
                                                                    BLOCK_N, BLOCK_DK, BLOCK_DV, PDL)
     if sp < n_split_cmp:

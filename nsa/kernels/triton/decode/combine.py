@@ -24,12 +24,12 @@ from .parts import _load_parts, _merge_parts, _wait_previous
 
 @triton.jit
 def _combine_kernel(
-    POS, SEQ, PM, PL, PACC, GATES, OUT, bh0,
+    POS, SEQ, PM, PL, PACC, GATES, OUT,
     sg_b, sg_h, sg_c, so_b, so_h, Hkv, G, Dv, n_parts, n_cmp_parts, n_win_parts,
     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILE: tl.constexpr, CHUNK_CMP: tl.constexpr,
     CHUNK_WIN: tl.constexpr, CHUNK_SEL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    bh = tl.program_id(0).to(tl.int64) + bh0
+    bh = tl.program_id(0).to(tl.int64)
     dt = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv

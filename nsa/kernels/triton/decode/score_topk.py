@@ -23,14 +23,14 @@ def _head_sum(row, i, n_vis, NB, lse, g_ok):
 
 @triton.jit
 def _score_topk_kernel(
-    POS, SCR, PM, PL, CAND, SCORES, bh0,
+    POS, SCR, PM, PL, CAND, SCORES,
     Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
     BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
     N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
     CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     c = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64) + bh0
+    bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     t = tl.load(POS + b).to(tl.int64)  # the append's, finished before this launch could start
     _wait_previous(PDL)  # the compressed launch's partials and logits

@@ -60,7 +60,7 @@ def _merge_candidates(CAND, bh, t, n_cand, BLOCK_SEL: tl.constexpr, N_INIT: tl.c
 
 @triton.jit
 def _sel_kernel(
-    Q, POS, CAND, KSEL, VSEL, KWIN, VWIN, IDX, PM, PL, PACC, bh0,
+    Q, POS, CAND, KSEL, VSEL, KWIN, VWIN, IDX, PM, PL, PACC,
     sq_b, sq_h, si_b, si_h, Hkv, G, Dk, Dv, max_len, W, n_cand, n_parts, part0, n_split_sel, n_split_cmp,
     slots_per_prog, slots_per_split, qk_scale, BT, sbt,
     BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
@@ -69,7 +69,7 @@ def _sel_kernel(
     PDL: tl.constexpr, EARLY_NEXT: tl.constexpr = False,
 ):
     sp = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64) + bh0
+    bh = tl.program_id(1).to(tl.int64)
     b, h, q, t, rg, rn, rdk, rdv, g_ok, dk_ok, dv_ok = _query_tile(Q, POS, bh, sq_b, sq_h, Hkv, G, Dk, Dv, BLOCK_G,
                                                                    BLOCK_N, BLOCK_DK, BLOCK_DV, False)
     # Under PDL this launch starts once the scoring programs run, after the compressed launch has finished: the

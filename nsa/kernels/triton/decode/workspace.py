@@ -93,10 +93,6 @@ class Tuning:
         (3.4 and later) have it). Each launch then starts while the one before it ends and waits on the
         device for its results, so launch latency and the previous launch's tail overlap; the window
         programs of the selection launch need no scores and run beside the scoring launch.
-    batch_parts: the batch in this many parts (default 1), each its own launches 2-5: the parts' compressed
-        launches in the step's stream one after another, each part's scoring, selection and combine in a side
-        stream of higher priority as soon as its compressed launch ends, so that they overlap the next part's
-        compressed stream instead of following the whole batch's. Splits are planned for one part.
     Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
@@ -118,7 +114,6 @@ class Tuning:
     window_with_sel: bool | None = None
     early_combine: bool | None = None
     pdl: bool | None = None
-    batch_parts: int | None = None
 
 
 def plan_combine(tuning: Tuning, pdl: bool, combine_programs: int, sms: int) -> tuple[bool, bool]:
@@ -151,9 +146,7 @@ class DecodeWorkspace:
         self.BLOCK_DV = max(16, _np2(Dv))
         self.BLOCK_N = tuning.block_n or (64 if max(self.BLOCK_DK, self.BLOCK_DV) <= 128 else 32)
         self.BLOCK_N_SEL = min(max(16, _np2(cfg.block_sel)), self.BLOCK_N)
-        per_part = _cdiv(B, max(1, min(tuning.batch_parts or 1, B)))
-        self.batch_parts = [(b0, min(per_part, B - b0)) for b0 in range(0, B, per_part)]  # (first b, count)
-        BH_all, BH = B * Hkv, per_part * Hkv  # buffers for the batch, splits for one part
+        BH = B * Hkv
         sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu(device) else 0
         target = tuning.target_programs or (4 * sms if sms else 64)
         self.target_programs = target
@@ -225,7 +218,6 @@ class DecodeWorkspace:
             self.stages_sel = tuning.stages_sel or self.stages_sel
         f32 = dict(device=device, dtype=torch.float32)
         self.pos = torch.zeros(B, dtype=torch.int32, device=device)
-        BH = BH_all
         self.pm = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
         self.pl = torch.empty(BH, self.n_parts, self.BLOCK_G, **f32)
         self.pacc = torch.empty(BH, self.n_parts, self.BLOCK_G, self.BLOCK_DV, **f32)
@@ -239,13 +231,4 @@ class DecodeWorkspace:
         win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
                 f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}"
-                + ("/early" if self.early_combine else "") + ("/pdl" if self.pdl else "")
-                + (f"/parts{len(self.batch_parts)}" if len(self.batch_parts) > 1 else ""))
-
-    def side_streams(self, device):
-        """One high-priority stream and one event per batch part after the first (made once)."""
-        if getattr(self, "_side", None) is None:
-            # below the lowest priority number CUDA allows: mapped to the highest priority
-            self._side = [(torch.cuda.Stream(device, priority=-8), torch.cuda.Event())
-                          for _ in self.batch_parts]
-        return self._side
+                + ("/early" if self.early_combine else "") + ("/pdl" if self.pdl else ""))

@@ -22,33 +22,12 @@ def _head_sum(row, i, n_vis, NB, lse, g_ok):
 
 
 @triton.jit
-def _score_topk_kernel(
-    POS, SCR, PM, PL, CAND, SCORES,
-    Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
-    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
-    N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
-    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr,
-):
-    c = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // Hkv
-    t = tl.load(POS + b).to(tl.int64)  # the append's, finished before this launch could start
-    _wait_previous(PDL)  # the compressed launch's partials and logits
-    n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
-    rg = tl.arange(0, BLOCK_G)
-    g_ok = rg < G
-    # log-sum-exp (log2 domain) of each head over all compressed blocks, from the split partials. Issuing the
-    # logits' loads before it, so that partials and logits share one memory round trip (the offsets outside
-    # the contiguous tile below as one reshaped [CHUNK_J, offsets] tile), measured slower: H100, paper heads,
-    # this launch 64k x 8 6.2 -> 17.2 us, 64k x 32 19.5 -> 62.8.
-    rs = tl.arange(0, SPLIT_PAD)
-    s_ok = rs < n_split_cmp
-    pm = tl.load(PM + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=float("-inf"))
-    pl = tl.load(PL + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=0.0)
-    m = tl.max(pm, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    lsum = tl.sum(pl * tl.exp2(pm - m[None, :]), 0)
-    lse = tl.where(lsum > 0, m + tl.log2(tl.where(lsum > 0, lsum, 1.0)), 0.0)
+def _chunk_candidates(SCR, CAND, SCORES, bh, c, t, n_vis, lse, rg, g_ok, NB, NJ, n_chunks,
+                      BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
+                      N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+                      CHUNK_J: tl.constexpr, PDL: tl.constexpr, LAST: tl.constexpr):
+    """Chunk c's selection scores (stored) and its K_FREE best non-forced candidates (stored; none past the
+    last chunk). LAST: the program's last chunk, after whose scores the next launch may start."""
     # scores of this chunk's selection blocks: compressed block i overlaps block j iff
     # j*l'/d - l/d + 1 <= i <= (j+1)*l'/d - 1, i.e. N_OFF consecutive blocks, summed in a fixed order
     R_SEL: tl.constexpr = BLOCK_SEL // STRIDE_CMP
@@ -68,7 +47,8 @@ def _score_topk_kernel(
         score += tl.sum(tl.reshape(p, [CHUNK_J, R_SEL]), 1)
     for o in tl.static_range(o0, N_OFF):  # the rest (all offsets where R_SEL is not a power of two)
         score += _head_sum(row, j * R_SEL - (R_CMP - 1) + o, n_vis, NB, lse, g_ok)
-    _let_next_start(PDL)
+    if LAST:
+        _let_next_start(PDL)
     tl.store(SCORES + bh * NJ + j, score, mask=j < NJ)
     jt = t // BLOCK_SEL
     free = (j <= jt) & (j < NJ) & (j >= N_INIT) & (j <= jt - N_LOCAL)  # candidates that are not forced
@@ -81,4 +61,39 @@ def _score_topk_kernel(
     rk = tl.arange(0, N_PAD)
     cand = tl.sum(tl.where(rank[:, None] == rk[None, :], key[:, None], 0), 0)
     cand = tl.where(cand >= 0, cand, -1)
-    tl.store(CAND + (bh * n_chunks + c) * K_FREE + rk, cand, mask=rk < K_FREE)
+    tl.store(CAND + (bh * n_chunks + c) * K_FREE + rk, cand, mask=(rk < K_FREE) & (c < n_chunks))
+
+
+@triton.jit
+def _score_topk_kernel(
+    POS, SCR, PM, PL, CAND, SCORES,
+    Hkv, G, NB, NJ, n_split_cmp, n_parts, n_chunks,
+    BLOCK_CMP: tl.constexpr, STRIDE_CMP: tl.constexpr, BLOCK_SEL: tl.constexpr, N_INIT: tl.constexpr,
+    N_LOCAL: tl.constexpr, K_FREE: tl.constexpr, N_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+    CHUNK_J: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr, CPP: tl.constexpr = 1,
+):
+    c0 = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hkv
+    t = tl.load(POS + b).to(tl.int64)  # the append's, finished before this launch could start
+    _wait_previous(PDL)  # the compressed launch's partials and logits
+    n_vis = tl.where(t + 1 >= BLOCK_CMP, (t + 1 - BLOCK_CMP) // STRIDE_CMP + 1, 0)
+    rg = tl.arange(0, BLOCK_G)
+    g_ok = rg < G
+    # log-sum-exp (log2 domain) of each head over all compressed blocks, from the split partials. Issuing the
+    # logits' loads before it, so that partials and logits share one memory round trip (the offsets outside
+    # the contiguous tile below as one reshaped [CHUNK_J, offsets] tile), measured slower: H100, paper heads,
+    # this launch 64k x 8 6.2 -> 17.2 us, 64k x 32 19.5 -> 62.8.
+    rs = tl.arange(0, SPLIT_PAD)
+    s_ok = rs < n_split_cmp
+    pm = tl.load(PM + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=float("-inf"))
+    pl = tl.load(PL + (bh * n_parts + rs[:, None]) * BLOCK_G + rg[None, :], mask=s_ok[:, None], other=0.0)
+    m = tl.max(pm, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    lsum = tl.sum(pl * tl.exp2(pm - m[None, :]), 0)
+    lse = tl.where(lsum > 0, m + tl.log2(tl.where(lsum > 0, lsum, 1.0)), 0.0)
+    # Chunks CPP * c0 .. CPP * c0 + CPP - 1 (Tuning.chunks_per_program): the partials' merge above once for all.
+    for ci in tl.static_range(CPP):
+        _chunk_candidates(SCR, CAND, SCORES, bh, c0 * CPP + ci, t, n_vis, lse, rg, g_ok, NB, NJ, n_chunks,
+                          BLOCK_CMP, STRIDE_CMP, BLOCK_SEL, N_INIT, N_LOCAL, K_FREE, N_PAD, BLOCK_G, CHUNK_J, PDL,
+                          ci == CPP - 1)

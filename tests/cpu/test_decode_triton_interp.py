@@ -103,20 +103,6 @@ def test_kernels_ragged_decode_equals_prefill(gen, monkeypatch, window_with_sel,
     assert telemetry.served("sel")["triton_decode"] == 5
 
 
-@pytest.mark.parametrize("cpp", [2, 3])
-def test_scoring_chunks_per_program_equal_one_per_program(gen, monkeypatch, cpp):
-    """Tuning.chunks_per_program: each scoring program takes cpp chunks (neither divides the 7 chunks, so the
-    last program has chunks past the end): bitwise the outputs and blocks of one chunk per program."""
-    case = make_case(gen, CFG, [0, 37, 70], 5, 4, 2, 16, 24, dtype=torch.float32)
-    one, one_idx = decode_all(case, prefill_cache(case, max_len=200), "triton")
-    monkeypatch.setattr(kd, "TUNING", dataclasses.replace(kd.TUNING, chunks_per_program=cpp))
-    cache, idx = _check_case(case, max_len=200)
-    got, _ = decode_all(case, prefill_cache(case, max_len=200), "triton")
-    ws = kd.workspace_for(cache, 4)
-    assert ws.CPP == cpp and ws.n_chunks == 7
-    assert torch.equal(idx, one_idx) and torch.equal(got, one)
-
-
 def test_kernels_fp16(gen):
     """The 16-bit path (bf16 on the GPU takes the same code): blocks as prefill on most rows, outputs close."""
     case = make_case(gen, CFG, [6, 45], 4, 4, 2, 16, 16, dtype=torch.float16)

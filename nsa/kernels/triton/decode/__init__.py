@@ -154,12 +154,12 @@ def decode_step_triton(q, gates, cache, tokens, compress_fn=None, *, out=None, w
         BLOCK_DK=ws.BLOCK_DK, BLOCK_DV=ws.BLOCK_DV, IEEE=ieee, **pages["meta"], PDL=ws.pdl,
         **_launch_opts(device, ws.tuning.warps_cmp, ws, "stages_cmp", ws.pdl),
     )
-    _score_topk_kernel[(ws.grid_score, BH)](
+    _score_topk_kernel[(ws.n_chunks, BH)](
         ws.pos, ws.scratch, ws.pm, ws.pl, ws.cand, ws.scores,
         Hkv, ws.G, NB, ws.NJ, ws.n_split_cmp, ws.n_parts, ws.n_chunks,
         BLOCK_CMP=cfg.block_cmp, STRIDE_CMP=cfg.stride_cmp, BLOCK_SEL=cfg.block_sel, N_INIT=cfg.n_init,
         N_LOCAL=cfg.n_local, K_FREE=ws.K_FREE, N_PAD=ws.N_PAD, BLOCK_G=ws.BLOCK_G, CHUNK_J=ws.CHUNK_J,
-        SPLIT_PAD=ws.SPLIT_PAD, PDL=ws.pdl, CPP=ws.CPP, **_launch_opts(device, ws.tuning.warps_score, pdl=ws.pdl),
+        SPLIT_PAD=ws.SPLIT_PAD, PDL=ws.pdl, **_launch_opts(device, ws.tuning.warps_score, pdl=ws.pdl),
     )
     _sel_kernel[(ws.grid_sel, BH)](
         q, ws.pos, ws.cand, ksel, vsel, cache.k_win, cache.v_win, idx, ws.pm, ws.pl, ws.pacc,

@@ -93,8 +93,6 @@ class Tuning:
         (3.4 and later) have it). Each launch then starts while the one before it ends and waits on the
         device for its results, so launch latency and the previous launch's tail overlap; the window
         programs of the selection launch need no scores and run beside the scoring launch.
-    chunks_per_program: scoring chunks per program of the scoring launch (default 1); the partials' merge into
-        each head's log-sum-exp then runs once for all of them.
     Tests shrink the sizes to exercise many splits on tiny shapes; bench/tune_decode.py sweeps the rest."""
 
     target_programs: int | None = None
@@ -116,7 +114,6 @@ class Tuning:
     window_with_sel: bool | None = None
     early_combine: bool | None = None
     pdl: bool | None = None
-    chunks_per_program: int | None = None
 
 
 def plan_combine(tuning: Tuning, pdl: bool, combine_programs: int, sms: int) -> tuple[bool, bool]:
@@ -192,8 +189,6 @@ class DecodeWorkspace:
         cj = max(cj, _np2(_cdiv(self.NJ * self.K_FREE, 4096)))  # at most 4096 candidates to merge
         self.CHUNK_J = cj
         self.n_chunks = _cdiv(self.NJ, cj)
-        self.CPP = max(1, min(tuning.chunks_per_program or 1, self.n_chunks))
-        self.grid_score = _cdiv(self.n_chunks, self.CPP)
         self.N_PAD = _np2(cfg.n_sel)
         self.n_cand = self.n_chunks * self.K_FREE
         self.NC_PAD = _np2(self.n_cand)
@@ -236,5 +231,4 @@ class DecodeWorkspace:
         win = "+win" if self.window_with_sel else ""
         return (f"cmp{self.n_split_cmp}x{self.blocks_per_split}/win{self.n_split_win}x{self.slots_per_split}/"
                 f"sel{self.n_split_sel}x{self.slots_per_prog}{win}/chunks{self.n_chunks}x{self.CHUNK_J}"
-                + (f"/score{self.CPP}" if self.CPP > 1 else "")
                 + ("/early" if self.early_combine else "") + ("/pdl" if self.pdl else ""))

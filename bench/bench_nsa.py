@@ -8,7 +8,8 @@ For each shape (--shapes: D128 = Hq 64, Hkv 4, Dk = Dv = 128; Dk192Dv128 = the p
 cu_seqlens, which nsa_attention runs as the dense batch [16, 4096] it is; --ragged adds 16 packed sequences
 of 3072 and 5120 tokens in turn, the varlen path, with no dense baseline; --one-seq-packed adds each T
 again as cu_seqlens=[0, T], which must time as the dense call),
-paper blocks (l=32, d=16, l'=64, n=16, w=512), shared K/V for the three branches:
+paper blocks (l=32, d=16, l'=64, n=16, w=512; --config n_sel=13,window=192 changes NSAConfig fields, e.g. to
+see what fewer selected blocks or a shorter window would cost), shared K/V for the three branches:
   nsa        nsa_attention(..., backend="auto"): fwd (no grad), bwd (backward of a random output
              gradient, graph kept), fwdbwd (both); the plan that served it (telemetry) is recorded
   dense_fa2  causal SDPA with the flash backend only (FlashAttention-2; GQA through enable_gqa)
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import sys
 import time
@@ -312,6 +314,25 @@ def plot(rows, path):
     return path
 
 
+def config_overrides(cfg: NSAConfig, text: str) -> NSAConfig:
+    """cfg with the integer fields of "field=int,..." replaced; a clear error for an unknown field, a value
+    that is no integer, or a combination NSAConfig rejects."""
+    known = [f.name for f in dataclasses.fields(NSAConfig) if f.type in (int, "int")]
+    changes = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, val = item.partition("=")
+        if key not in known or not eq:
+            raise SystemExit(f"--config: {item!r} is not FIELD=INT with FIELD one of {', '.join(known)}")
+        try:
+            changes[key] = int(val)
+        except ValueError:
+            raise SystemExit(f"--config: {key} takes an integer, got {val!r}") from None
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except ValueError as e:
+        raise SystemExit(f"--config {text}: {e}") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
@@ -329,6 +350,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of every code path (CI)")
     ap.add_argument("--compile", action="store_true",
                     help="also time nsa_attention under torch.compile(fullgraph=True) (an nsa_compiled row)")
+    ap.add_argument("--config", default="", metavar="FIELD=INT,...",
+                    help="NSAConfig fields to change from the paper's (or the smoke's), e.g. n_sel=13,window=192")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -344,6 +367,9 @@ def main(argv=None):
     Ts = [64, 200] if args.smoke else [int(x) for x in args.T.split(",")]
     iters, warmup = (1, 0) if args.smoke else (args.iters, args.warmup)
     cfg = NSAConfig() if not args.smoke else NSAConfig(block_cmp=8, stride_cmp=4, block_sel=8, n_sel=4, window=16)
+    cfg = config_overrides(cfg, args.config)
+    if args.config:
+        print(f"config: {cfg}", flush=True)
     bT = max(Ts) if args.breakdown_T is None else args.breakdown_T
     # (shape, dtype, T, sequences, input): "dense", "packed" (cu_seqlens of n_seq equal sequences) or
     # "cu_one" (cu_seqlens=[0, T])

@@ -221,6 +221,23 @@ def test_benchutil(tmp_path, monkeypatch):
     assert math.isfinite(sw.ms) and sw.ms >= 0
 
 
+def test_bench_nsa_smoke_with_config(tmp_path, capsys):
+    """bench_nsa's --smoke runs every row on CPU; --config changes the NSAConfig it times (recorded in the
+    JSON) and refuses unknown fields, non-integers and combinations NSAConfig rejects, naming the option."""
+    bench = _load("bench_nsa")
+    assert bench.main(["--smoke", "--config", "n_sel=3,window=8", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bench_nsa.json").read_text())
+    assert (data["config"]["n_sel"], data["config"]["window"], data["config"]["block_sel"]) == (3, 8, 8)
+    rows = list(csv.DictReader((tmp_path / "bench_nsa.csv").open()))
+    assert rows and all(r["status"] == "ok" and float(r["fwdbwd_ms"]) > 0 for r in rows)
+    assert "n_sel=3" in capsys.readouterr().out
+    for bad, says in (("n_sell=3", "FIELD one of"), ("n_sel=three", "takes an integer"), ("window", "FIELD=INT"),
+                      ("n_sel=2", "n_sel"), ("compress=1", "FIELD one of")):
+        with pytest.raises(SystemExit, match=says) as e:
+            bench.main(["--smoke", "--config", bad, "--out", str(tmp_path)])
+        assert "--config" in str(e.value)
+
+
 def test_bench_sel_triton_smoke(tmp_path):
     """The selection bench's --smoke (the kernels in Triton's interpreter on CPU) writes every column; its
     byte counts agree with a count by loops."""

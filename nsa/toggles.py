@@ -50,6 +50,11 @@ def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
 
 SEL_BACKENDS = ("auto", "torch", "triton_sel")
 
+# The longest sequence whose compressed branch the dense core runs on NSA's Triton kernels by default: 0, off
+# (measured on an H100 they are faster only on short packed batches, by 2%, and slower on single sequences:
+# nsa.kernels.triton.cmp_attn has the figures).
+TRITON_CMP_MAX_LEN = 0
+
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name)
@@ -69,6 +74,9 @@ class Toggles:
     use_cudnn: bool = True  # NSA_USE_CUDNN: 0 keeps the compressed branch off cuDNN attention (torch_cudnn)
     dense_core: bool = True  # NSA_DENSE_CORE: 0 runs the fused dense pipeline as separate autograd ops
     triton_window: bool = True  # NSA_TRITON_WINDOW: 0 keeps the dense core's sliding branch on FA-2
+    # NSA_TRITON_CMP_MAX_LEN: the dense core's compressed branch on NSA's Triton kernels for sequences up to
+    # this length (0: never; longer sequences keep the planned FA-2 / cuDNN provider)
+    triton_cmp_max_len: int = TRITON_CMP_MAX_LEN
     min_len_win: int | None = None  # NSA_FA2_MIN_LEN_WIN (None: nsa/fa2_thresholds.json)
     min_len_cmp: int | None = None  # NSA_FA2_MIN_LEN_CMP
     force: bool = False  # NSA_FA2_FORCE: override the SM policy (Ada, sm8x backward head-dim cap)
@@ -155,6 +163,7 @@ def read() -> Toggles:
         use_cudnn=env_bool("NSA_USE_CUDNN", True),
         dense_core=env_bool("NSA_DENSE_CORE", True),
         triton_window=env_bool("NSA_TRITON_WINDOW", True),
+        triton_cmp_max_len=env_int("NSA_TRITON_CMP_MAX_LEN", TRITON_CMP_MAX_LEN, minimum=0),
         min_len_win=env_int("NSA_FA2_MIN_LEN_WIN", None),
         min_len_cmp=env_int("NSA_FA2_MIN_LEN_CMP", None),
         force=env_bool("NSA_FA2_FORCE", False),

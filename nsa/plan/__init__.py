@@ -81,7 +81,8 @@ STEPS = ("cmp", "topn", "sel", "win", "combine", "core")
 @dataclass
 class Step:
     # what serves the step: torch, torch_cudnn, flash_attn, torch_flash, sdpa, triton, triton_window (win in
-    # the dense core), reference, given; the core step: dense_core or separate
+    # the dense core), triton_cmp (cmp in the dense core), reference, given; the core step: dense_core or
+    # separate
     provider: str
     reason: str  # telemetry reason: ok, forced, or the first failed guard of a faster provider
     # whole-T implementation (branch signature); None: the chunked torch path, or a step the dense core runs
@@ -341,6 +342,10 @@ def _make_plan(backend: str, q, k, v, cfg, *, kv_cmp=None, kv_win=None, cu_seqle
             if (backend == "auto" and cu_seqlens is None
                     and rules.window_triton_guard(tg, q, *(kv_win or (k, v))) is None):
                 steps["win"] = Step("triton_window", "ok")
+            # Likewise the compressed branch on NSA's Triton kernels, for sequences up to NSA_TRITON_CMP_MAX_LEN.
+            if backend == "auto" and cu_seqlens is None and rules.cmp_triton_guard(tg, q, *(kv_cmp or (k, v))) is None:
+                prev = steps["cmp"]
+                steps["cmp"] = Step("triton_cmp", "ok", prev.fn, prev.detail, prev.impl)
     for name, s in steps.items():
         if timing and s.fn is not None:
             s.fn = _timed(name, s.provider, s.fn)

@@ -360,6 +360,23 @@ def dense_core_guard(steps, ctx, toggles: Toggles, q, cfg, given_indices: bool) 
     return None
 
 
+def cmp_triton_guard(toggles: Toggles, q, kc, vc) -> Failure | None:
+    """Why the dense core's compressed branch does not run on NSA's Triton kernels, or None where it does: for
+    sequences up to NSA_TRITON_CMP_MAX_LEN tokens (default 0: never; measured they save memory and gain 2% on
+    short packed batches, and are slower on single sequences: nsa.kernels.triton.cmp_attn), where the kernels
+    run (Hopper TMA copies, the window kernels' head dims). Elsewhere the planned FA-2 / cuDNN provider serves
+    the branch, as it would without them (not a fallback: the cmp step keeps that provider and its reason)."""
+    limit = toggles.triton_cmp_max_len
+    if limit <= 0:
+        return Failure("disabled", "NSA_TRITON_CMP_MAX_LEN=0")
+    if q.shape[1] > limit:
+        return Failure("long", f"T={q.shape[1]} > NSA_TRITON_CMP_MAX_LEN={limit}")
+    from ..branches.compressed.triton import supported
+
+    ok, why = supported(q, kc, vc)
+    return None if ok else Failure("unsupported", why)
+
+
 def window_triton_guard(toggles: Toggles, q, kw, vw) -> Failure | None:
     """Why the dense core's sliding branch does not run on NSA's Triton kernels, or None where it does: on by
     default where they run (Hopper TMA copies, the head dims window.supported takes); elsewhere its FA-2

@@ -49,6 +49,7 @@ import torch
 
 from .. import telemetry
 from ..branches.combine import triton as combine_triton
+from ..branches.compressed import triton as cmp_triton
 from ..branches.compressed.fa2 import rows_attention, tail_attention, view_fold_applies
 from ..branches.compressed.fold import expand_kv, fold_q_view, unfold_view_lse, unfold_view_o, view_foldable, view_rows
 from ..branches.fa2_call import pad_last
@@ -158,9 +159,39 @@ class GraphCmp:
         return None
 
 
+class TritonCmp:
+    """The compressed branch on NSA's Triton kernels (nsa.branches.compressed.triton; planning's "triton_cmp"),
+    forward now and backward from the saved o and LSE. Same interface as ViewCmp."""
+
+    def __init__(self, q, k_cmp, v_cmp, cfg, scale):
+        telemetry.event("cmp", "triton_cmp", "cmp_forward")
+        o, self.lse = cmp_triton.forward(q, k_cmp, v_cmp, cfg, scale)
+        self.saved = (q, k_cmp, v_cmp, o, self.lse)  # the core drops .lse after the top-n
+        self.seg = combine_triton.segments(o, 0, o[:, :0])
+        self.cfg, self.scale = cfg, scale
+
+    def grad(self, da, keep: bool):
+        q, k_cmp, v_cmp, o, lse = self.saved
+        dq, dk, dv = cmp_triton.backward(da.main, q, k_cmp, v_cmp, o, lse, self.cfg, self.scale)
+        if not keep:
+            self.saved = None
+        return (dq, 0), dk, dv
+
+    def grad_tail(self, da, dq, dk_cmp, dv_cmp, keep: bool) -> None:
+        return None
+
+
 def start_cmp(plan, q, k_cmp, v_cmp, layout, cfg, scale):
-    """The compressed branch of the core: ViewCmp where `view_fold` holds, else GraphCmp (counted)."""
+    """The compressed branch of the core: TritonCmp where planning chose "triton_cmp" and the compressed K/V
+    can be read by TMA copies (else counted as a fallback), ViewCmp where `view_fold` holds, else GraphCmp
+    (counted)."""
     prov = plan.cmp.provider
+    if prov == "triton_cmp":
+        ok, why = cmp_triton.supported(q, k_cmp, v_cmp)
+        if ok:
+            return TritonCmp(q, k_cmp, v_cmp, cfg, scale)
+        prov = plan.cmp.impl[0].name
+        telemetry.record("cmp", prov, "triton_cmp_unsupported", why=why)
     if view_fold(plan, q, v_cmp, cfg):
         telemetry.event("cmp", prov, "fold_view")
         return ViewCmp(plan, q, k_cmp, v_cmp, cfg, scale)
@@ -255,5 +286,5 @@ def run(plan, q, k, v, gates, cfg, layout, k_cmp, v_cmp, kw, vw, scale, indices,
     return DenseCore.apply(q, k, v, k_cmp, v_cmp, kw, vw, gates, run_args)
 
 
-__all__ = ["DenseCore", "GraphCmp", "GraphWindow", "TritonWindow", "ViewCmp", "run", "start_cmp", "start_window",
-           "view_fold"]
+__all__ = ["DenseCore", "GraphCmp", "GraphWindow", "TritonCmp", "TritonWindow", "ViewCmp", "run", "start_cmp",
+           "start_window", "view_fold"]

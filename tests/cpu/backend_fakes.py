@@ -17,7 +17,7 @@ from . import fa2_emulation as emulate
 
 ENV = ("NSA_USE_FA2", "NSA_USE_FA2_WIN", "NSA_USE_FA2_CMP", "NSA_FA2_MIN_LEN_WIN", "NSA_FA2_MIN_LEN_CMP",
        "NSA_FA2_FORCE", "NSA_FA2_FORCE_VARLEN", "NSA_FA2_FORCE_DENSE", "NSA_FA2_PREF_FP16", "NSA_DEBUG_TIMING",
-       "NSA_SDPA_CHUNK", "NSA_USE_CUDNN", "NSA_TRITON_WINDOW", "NSA_TORCH_CHUNK_BUDGET")
+       "NSA_SDPA_CHUNK", "NSA_USE_CUDNN", "NSA_TRITON_WINDOW", "NSA_TRITON_CMP_MAX_LEN", "NSA_TORCH_CHUNK_BUDGET")
 
 
 def emulated(name: str, dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)):

@@ -6,10 +6,10 @@ tests/sanitizer/test_memcheck.py (`nox -s sanitizer`), by hand:
 Every shape the GPU tests use at its edges: T in {1, l-1, l, 65, 1000, 4097}, G in {1, 2, 4, 8, 16, 32},
 (Dk, Dv) in {(64,64), (128,128), (192,128), (256,256)}, packed input with empty and length-1 sequences,
 batches, bf16 and fp16, the dense core's forms (rows by view with V padded, the provider's call for packed
-input and Dk < Dv, one packed sequence), the top-n and selection kernels alone on fp32, the
-sliding-window kernels alone, and context parallelism's per-rank path at stream offsets. Small head counts
-keep it quick under the sanitizer. Exit status 1 when an output or gradient is not finite or the fused path
-did not run as one node.
+input and Dk < Dv, one packed sequence), the top-n and selection kernels alone on fp32, the sliding-window
+and compressed-branch kernels alone (and the dense core on the latter), and context parallelism's per-rank
+path at stream offsets. Small head counts keep it quick under the sanitizer. Exit status 1 when an output
+or gradient is not finite or the fused path did not run as one node.
 """
 
 from __future__ import annotations
@@ -113,9 +113,52 @@ def main() -> int:
         ok = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
         bad += not ok
         print(f"window kernels T={T} w={w} G={G} D={D}: {'ok' if ok else 'BAD'}", flush=True)
+    bad += cmp_kernel_cases(dev)
     bad += offset_cases(dev)
     print(f"nsa edge sweep: {bad} bad case(s)")
     return 1 if bad else 0
+
+
+def cmp_kernel_cases(dev) -> int:
+    """The compressed-branch kernels alone (Hopper): no block at all, one block, the staircase across tiles, a
+    cache longer than T sees, Dk=192 / Dv=128 as two column tiles, fp16; and the dense core running them."""
+    from nsa.kernels.triton.cmp_attn import cmp_backward, cmp_forward, supported
+
+    bad = 0
+    for T, G, Dk, Dv, extra, dtype in ((20, 16, 128, 128, 0, torch.bfloat16), (32, 4, 64, 64, 0, torch.float16),
+                                       (4097, 16, 128, 128, 3, torch.bfloat16), (1111, 8, 192, 128, 0, torch.bfloat16),
+                                       (777, 2, 256, 256, 1, torch.float16)):
+        N = max(0, (T - CFG.block_cmp) // CFG.stride_cmp + 1) + extra
+        q = torch.randn(1, T, 2 * G, Dk, device=dev, dtype=dtype)
+        kc = torch.randn(1, N, 2, Dk, device=dev, dtype=dtype)
+        vc = torch.randn(1, N, 2, Dv, device=dev, dtype=dtype)
+        if not supported(q, kc, vc)[0]:
+            print(f"cmp kernels T={T}: not run here ({supported(q, kc, vc)[1]})", flush=True)
+            continue
+        o, lse = cmp_forward(q, kc, vc, CFG.block_cmp, CFG.stride_cmp, Dk ** -0.5)
+        grads = cmp_backward(torch.randn_like(o), q, kc, vc, o, lse, CFG.block_cmp, CFG.stride_cmp, Dk ** -0.5)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
+        bad += not ok
+        print(f"cmp kernels T={T} G={G} Dk={Dk} Dv={Dv}: {'ok' if ok else 'BAD'}", flush=True)
+    os.environ["NSA_TRITON_CMP_MAX_LEN"] = "65536"
+    try:
+        for T, Dk, Dv in ((65, 128, 128), (4097, 192, 128)):
+            xs = [torch.randn(1, T, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                  for h, d in ((8, Dk), (2, Dk), (2, Dv))]
+            g = torch.rand(1, T, 8, 3, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            telemetry.reset()
+            out = nsa_attention(*xs, g, CFG)
+            grads = torch.autograd.grad(out, (*xs, g), torch.randn_like(out))
+            torch.cuda.synchronize()
+            ran = telemetry.served("cmp") == {"triton_cmp": 1}
+            ok = ran and bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
+            bad += not ok
+            print(f"dense core with the cmp kernels T={T} Dk={Dk} Dv={Dv}: {'ok' if ok else 'BAD'}"
+                  f"{'' if ran else ' (they did not serve)'}", flush=True)
+    finally:
+        del os.environ["NSA_TRITON_CMP_MAX_LEN"]
+    return bad
 
 
 def offset_cases(dev) -> int:

@@ -96,6 +96,7 @@ def test_cmp_backward_head_shares_and_dkdv_tiles(gen, descriptors, shares, bm_kv
         assert (a.double() - b).abs().max() <= 2e-5, name
 
 
+@pytest.mark.sample
 def test_cmp_two_column_tiles_and_narrower_v(gen, descriptors):
     """Dk = 96 as 64 + 32 columns with Dv = 64 (the paper's 192 / 128 runs as 128 + 64): o, LSE and grads."""
     B, T, Hkv, G, l, d = 1, 70, 2, 2, 8, 4

@@ -16,6 +16,10 @@ against 16.7 GiB); one sequence of 4k 2.22 / 5.02 against 2.12 / 4.05, 8k 3.03 /
 64k 37.15 / 93.92 against 35.24 / 74.19 (the dK/dV kernel's walk over every later query tile grows with T;
 cuDNN's bprop is the faster kernel there). Setting the toggle to a sequence length turns them on up to it
 (nsa.plan.rules.cmp_triton_guard), for the memory above all.
+Profiled (torch.profiler, same H100, kernels' GPU time per forward+backward): 16 x 4k packed 65.6 ms with
+them against 66.8 with the fold; one sequence of 4k 4.68 against 4.78, so the 4k loss on the wall clock is
+the host's launches, not the GPU. Their forward (1.76 ms at 16 x 4k) is slower than cuDNN's fprop (0.99):
+the first place to tune.
 
 Forward: the window kernels' tiles (nsa.kernels.triton.window: one program per 64 queries and query
 head, 64-key tiles); the key tiles every row of the query tile sees run unmasked, the rest against each
